@@ -1,0 +1,226 @@
+"""The ``tokenmesh`` command: run the mesh or one service, and talk to a router."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from tokenmesh.config import ConfigError, add_arguments, from_namespace
+
+DEFAULT_ADDR = "127.0.0.1:50051"
+
+
+def _add_addr(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--addr",
+        default=os.environ.get("TOKENMESH_ADDR", DEFAULT_ADDR),
+        help=f"router address host:port (env TOKENMESH_ADDR; default {DEFAULT_ADDR})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (also used to document the configuration)."""
+    from tokenmesh.prober.prober import ProberConfig
+    from tokenmesh.router.service import RouterConfig
+    from tokenmesh.worker.service import WorkerConfig
+
+    parser = argparse.ArgumentParser(
+        prog="tokenmesh",
+        description="Stream LLM tokens from Triton-backed workers through a gRPC router.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("TOKENMESH_LOG_LEVEL", "INFO"),
+        help="DEBUG, INFO, WARNING or ERROR (env TOKENMESH_LOG_LEVEL; default INFO)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="start the embedded mesh: N workers with Triton, a prober, a router")
+    up.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    up.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
+    up.add_argument("--host", default="127.0.0.1", help="address every service listens on (default 127.0.0.1)")
+    up.add_argument("--threads", type=int, default=0, help="llama.cpp threads per worker (default: cores / workers)")
+    up.add_argument("--slots", type=int, default=0, help="concurrent generations per worker (default: the model's)")
+    up.add_argument("--log-dir", default="", help="write each service's log to LOG_DIR/<name>.log (default: stderr)")
+
+    gen = sub.add_parser("generate", help="stream a generation to stdout")
+    gen.add_argument("prompt", help="the prompt (with --chat: the user message)")
+    gen.add_argument("--chat", action="store_true", help="send as a chat message, rendered with the model's template")
+    gen.add_argument("--system", default="", help="with --chat: a system message before the prompt")
+    gen.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: router's, 256)")
+    gen.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: model's)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    gen.add_argument("--model", default="", help="model name (default: the default model)")
+    gen.add_argument("--request-id", default="", help="idempotency key (default: router assigns one)")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
+    gen.add_argument("--verbose", "-v", action="store_true", help="print each chunk's seq and counts to stderr")
+    _add_addr(gen)
+
+    status = sub.add_parser("status", help="show the router's routing table")
+    _add_addr(status)
+    models = sub.add_parser("models", help="list the models the mesh serves")
+    _add_addr(models)
+
+    for name, cls, what in (
+        ("router", RouterConfig, "run a router (Inference, Router and Control services)"),
+        ("worker", WorkerConfig, "run a worker with its own Triton, or over --triton-url"),
+        ("prober", ProberConfig, "run the prober: watch workers, push weights to routers"),
+    ):
+        service = sub.add_parser(name, help=what, description=what)
+        add_arguments(service, cls, name)
+        service.set_defaults(config_cls=cls)
+    return parser
+
+
+def _run_service(args: argparse.Namespace) -> int:
+    from tokenmesh.prober.prober import Prober
+    from tokenmesh.router.service import Router
+    from tokenmesh.worker.service import Worker
+
+    service: Any = {"router": Router, "worker": Worker, "prober": Prober}[args.command]
+    config = from_namespace(args.config_cls, args)
+
+    async def serve() -> None:
+        # Built inside the loop: grpc.aio servers and channels bind to the running loop.
+        await service(config).run()
+
+    asyncio.run(serve())
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from tokenmesh.mesh import Mesh, MeshConfig, MeshStartError
+
+    mesh = Mesh(MeshConfig(workers=args.workers, host=args.host, port=args.port, threads=args.threads,
+                           slots=args.slots, log_dir=args.log_dir))
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"starting {args.workers} workers (Triton + SmolLM2, {mesh.threads_per_worker} threads each)...",
+          file=sys.stderr)  # noqa: T201
+    try:
+        mesh.start()
+    except MeshStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)  # noqa: T201
+        return 1
+    lines = [f"router   {mesh.router.address if mesh.router else '?'}   (tokenmesh.v1.Inference, Router, Control)"]
+    lines += [f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}" for w in mesh.workers]
+    lines.append(f"prober   {mesh.prober.address if mesh.prober else '?'}")
+    print("tokenmesh is up:\n  " + "\n  ".join(lines) + "\nCtrl-C stops everything.", flush=True)  # noqa: T201
+    try:
+        while not stop:
+            for child in mesh.children():
+                if child.proc.poll() is not None:
+                    print(f"{child.name} exited with {child.proc.returncode}; stopping", file=sys.stderr)  # noqa: T201
+                    stop = True
+            time.sleep(0.2)
+    finally:
+        print("stopping...", file=sys.stderr)  # noqa: T201
+        mesh.stop()
+    return 0
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+
+    request = inference_pb2.GenerateRequest(model=args.model, request_id=args.request_id)
+    if args.chat:
+        if args.system:
+            request.messages.add(role="system", content=args.system)
+        request.messages.add(role="user", content=args.prompt)
+    else:
+        request.prompt = args.prompt
+    if args.max_tokens is not None:
+        request.max_tokens = args.max_tokens
+    if args.temperature is not None:
+        request.temperature = args.temperature
+    if args.seed is not None:
+        request.seed = args.seed
+    async with grpc.aio.insecure_channel(args.addr) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        async for chunk in stub.Generate(request, timeout=args.timeout):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            if args.verbose:
+                print(f"\n[seq {chunk.seq} tokens {chunk.token_count}]", file=sys.stderr)  # noqa: T201
+            if chunk.finish_reason:
+                reason = inference_pb2.FinishReason.Name(chunk.finish_reason)
+                print(  # noqa: T201
+                    f"\n[{reason}; prompt {chunk.usage.prompt_tokens} tokens, "
+                    f"completion {chunk.usage.completion_tokens} tokens; request_id {chunk.request_id}]",
+                    file=sys.stderr,
+                )
+    return 0
+
+
+async def _status(args: argparse.Namespace) -> int:
+    from tokenmesh.v1 import router_pb2, router_pb2_grpc
+
+    async with grpc.aio.insecure_channel(args.addr) as channel:
+        table = await router_pb2_grpc.RouterStub(channel).GetRoutingTable(router_pb2.GetRoutingTableRequest(), timeout=5)
+    arrived = table.received_at.ToDatetime().isoformat() + "Z" if table.version else "-"
+    print(f"weight table version {table.version or 'none (even split over healthy workers)'}, arrived {arrived}")  # noqa: T201
+    print(f"{'ADDRESS':22} {'WEIGHT':>6} {'STATE':14} {'IN_FLIGHT':>9} {'SERVED':>7}  REASON")  # noqa: T201
+    for w in table.workers:
+        state = router_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_")
+        print(f"{w.address:22} {w.weight:6.2f} {state:14} {w.in_flight:9d} {w.served_total:7d}  {w.reason}")  # noqa: T201
+    return 0
+
+
+async def _models(args: argparse.Namespace) -> int:
+    from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+
+    async with grpc.aio.insecure_channel(args.addr) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        response = await stub.ListModels(inference_pb2.ListModelsRequest(), timeout=5)
+    for m in response.models:
+        default = " (default)" if m.is_default else ""
+        print(f"{m.name}{default}  context {m.max_context} tokens  on {m.workers} worker(s)")  # noqa: T201
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tokenmesh`` console command."""
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except ConfigError as exc:
+        print(f"tokenmesh: error: {exc}", file=sys.stderr)  # noqa: T201
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+    try:
+        if args.command == "up":
+            return _up(args)
+        if args.command in ("router", "worker", "prober"):
+            return _run_service(args)
+        handler = {"generate": _generate, "status": _status, "models": _models}[args.command]
+        return asyncio.run(handler(args))
+    except ConfigError as exc:
+        print(f"tokenmesh {args.command}: error: {exc}", file=sys.stderr)  # noqa: T201
+        return 2
+    except grpc.aio.AioRpcError as exc:
+        print(f"tokenmesh {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)  # noqa: T201
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

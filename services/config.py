@@ -1,0 +1,85 @@
+"""Configuration: frozen dataclasses, one flag and one env var per field.
+
+Each service's config is a frozen dataclass whose fields are declared with
+:func:`setting`. :func:`add_arguments` turns the fields into ``--flag`` options
+whose defaults come from ``TOKENMESH_<SERVICE>_<FIELD>`` when set, so flags win
+over the environment, which wins over the built-in default. Validation lives in
+each dataclass's ``__post_init__`` and raises :class:`ConfigError` with a
+message saying what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+ENV_PREFIX = "TOKENMESH_"
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message says which one and what is allowed."""
+
+
+def setting(default: Any, help: str, *, parse: Callable[[str], Any] | None = None) -> Any:  # noqa: A002
+    """Declare a config field with its help text (and a parser for str values)."""
+    return dataclasses.field(default=default, metadata={"help": help, "parse": parse})
+
+
+def csv(value: str) -> tuple[str, ...]:
+    """Parse a comma-separated list, dropping blanks."""
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def env_name(service: str, field: str) -> str:
+    """Environment variable that sets ``field`` of ``service``."""
+    return f"{ENV_PREFIX}{service.upper()}_{field.upper()}"
+
+
+def _parser_for(field: dataclasses.Field[Any]) -> Callable[[str], Any]:
+    parse = field.metadata.get("parse")
+    if parse is not None:
+        return parse  # type: ignore[no-any-return]
+    kind = type(field.default)
+    if kind is bool:
+        return lambda v: v.strip().lower() in {"1", "true", "yes", "on"}
+    if kind in (int, float):
+        return kind  # type: ignore[no-any-return]
+    return str
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[Any], service: str) -> None:
+    """Add one ``--flag`` per field of ``cls``; env vars provide defaults."""
+    for field in dataclasses.fields(cls):
+        flag = "--" + field.name.replace("_", "-")
+        env = env_name(service, field.name)
+        parse = _parser_for(field)
+        default = field.default
+        if env in os.environ:
+            try:
+                default = parse(os.environ[env])
+            except ValueError as exc:
+                raise ConfigError(f"{env}={os.environ[env]!r} is not valid: {exc}") from exc
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        help_text = f"{field.metadata['help']} (env {env}; default: {shown!r})"
+        if isinstance(field.default, bool):
+            parser.add_argument(flag, dest=field.name, default=default, help=help_text,
+                                action=argparse.BooleanOptionalAction)
+        else:
+            parser.add_argument(flag, dest=field.name, default=default, type=parse, help=help_text)
+
+
+def from_namespace(cls: type[T], namespace: argparse.Namespace) -> T:
+    """Build ``cls`` from parsed arguments (runs its validation)."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+
+
+def check(condition: bool, message: str) -> None:
+    """Raise ConfigError(message) unless condition holds."""
+    if not condition:
+        raise ConfigError(message)

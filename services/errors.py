@@ -1,0 +1,192 @@
+"""One error taxonomy for the whole mesh.
+
+Every error a service raises on purpose is a :class:`MeshError`. Each class
+knows its gRPC status code (and the HTTP status the gateway will use), and
+:class:`ErrorInterceptor` turns it into that status with its message. Errors a
+worker reports about a generation travel as a typed ``GenerationError``; the
+class is decided once, from the error itself, by :func:`classify_backend_message`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ClassVar
+
+import grpc
+
+from tokenmesh.v1 import worker_pb2
+
+
+class MeshError(Exception):
+    """Base of every error the mesh reports to a caller."""
+
+    grpc_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str, *, trailers: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.trailers = trailers
+
+
+class InvalidArgument(MeshError):
+    """The request is malformed or out of range; the caller must change it."""
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+
+
+class NotFound(MeshError):
+    """A named thing (model, request_id) does not exist."""
+
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+
+
+class AlreadyExists(MeshError):
+    """A caller-chosen request_id is live already."""
+
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+    http_status = 409
+
+
+class ResourceExhausted(MeshError):
+    """Admission queue full or timed out; retry later (hint in trailers)."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+
+
+class Unavailable(MeshError):
+    """No live worker can take the request now."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+
+
+class DeadlineExceeded(MeshError):
+    """The caller's deadline passed."""
+
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
+
+
+class Internal(MeshError):
+    """A failure inside the mesh or its backend."""
+
+
+ERROR_CLASS_TO_EXCEPTION: dict[int, type[MeshError]] = {
+    worker_pb2.ERROR_CLASS_INVALID_REQUEST: InvalidArgument,
+    worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND: NotFound,
+    worker_pb2.ERROR_CLASS_UNAVAILABLE: Unavailable,
+    worker_pb2.ERROR_CLASS_TIMEOUT: DeadlineExceeded,
+    worker_pb2.ERROR_CLASS_OUT_OF_MEMORY: Unavailable,
+    worker_pb2.ERROR_CLASS_BACKEND: Internal,
+}
+
+# Error classes that say nothing bad about the worker: the caller must act.
+CALLER_ERROR_CLASSES = frozenset({worker_pb2.ERROR_CLASS_INVALID_REQUEST, worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND})
+
+# (pattern, class) in priority order, matched against backend error text. The
+# texts are what Triton, its Python backend, vLLM and llama.cpp actually send.
+_BACKEND_PATTERNS: tuple[tuple[re.Pattern[str], int], ...] = tuple(
+    (re.compile(p, re.IGNORECASE), c)
+    for p, c in (
+        (r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|OOM", worker_pb2.ERROR_CLASS_OUT_OF_MEMORY),
+        (r"exceeds the available context size|invalid request|invalid_request_error|"
+         r"maximum context length|must be (greater|less|positive|a)|unexpected inference input",
+         worker_pb2.ERROR_CLASS_INVALID_REQUEST),
+        (r"unknown model|has no available versions", worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND),
+        (r"deadline exceeded|timed out|timeout", worker_pb2.ERROR_CLASS_TIMEOUT),
+        (r"not ready|unavailable|connect|socket closed|stub process .* is not healthy", worker_pb2.ERROR_CLASS_UNAVAILABLE),
+    )
+)
+
+
+def classify_backend_message(message: str) -> int:
+    """Return the ``ErrorClass`` for a backend's error text (BACKEND when unknown)."""
+    for pattern, error_class in _BACKEND_PATTERNS:
+        if pattern.search(message):
+            return error_class
+    return worker_pb2.ERROR_CLASS_BACKEND
+
+
+def from_generation_error(error: worker_pb2.GenerationError) -> MeshError:
+    """Turn a worker's typed error into the caller-facing exception."""
+    return ERROR_CLASS_TO_EXCEPTION.get(error.error_class, Internal)(error.message)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Maps :class:`MeshError` raised by any handler to its gRPC status.
+
+    Handlers raise; they never build statuses themselves. Works for all four
+    call shapes, also for errors raised mid-stream.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        """Wrap the handler's behaviour so MeshError becomes a status."""
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_stream(handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: MeshError) -> None:
+    if error.trailers:
+        context.set_trailing_metadata(error.trailers)
+    await context.abort(error.grpc_code, error.message)
+
+
+def _wrap_unary(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behaviour(request, context)
+        except MeshError as error:
+            await _abort(context, error)
+
+    return wrapped
+
+
+def _wrap_stream(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(behaviour):
+        # Handlers that stream with `await context.write(...)` are coroutines.
+        return _wrap_unary(behaviour)
+
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for response in behaviour(request, context):
+                yield response
+        except MeshError as error:
+            await _abort(context, error)
+
+    return wrapped

@@ -1,0 +1,183 @@
+"""The embedded default: N workers (each with its Triton), a prober and a router.
+
+Every service runs as its own child process (``python -m tokenmesh <service>``)
+on loopback, exactly as Kubernetes would run it. Children learn nothing from
+us but flags; we learn their ports from the ready files they write once
+SERVING. Children die with this process, even when it is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from tokenmesh.config import check
+from tokenmesh.process import die_with_parent, stop_process
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """What ``tokenmesh up`` starts."""
+
+    workers: int = 2
+    """Number of workers, each with its own Triton server."""
+    host: str = "127.0.0.1"
+    """Loopback address every service listens on."""
+    port: int = 50051
+    """Router port (0 picks a free one)."""
+    threads: int = 0
+    """llama.cpp threads per worker; 0 = the machine's cores divided by workers."""
+    slots: int = 0
+    """Concurrent generations per worker; 0 keeps the model's value."""
+    log_dir: str = ""
+    """Write each service's log to <log_dir>/<name>.log; empty = our stderr."""
+    start_timeout_s: float = 240.0
+    """How long the services may take to become SERVING."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """Environment added for every child (tests set TOKENMESH_* knobs here)."""
+
+    def __post_init__(self) -> None:
+        """Validate ranges."""
+        check(1 <= self.workers <= 64, f"workers must be 1..64, got {self.workers}")
+        check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
+
+
+@dataclass
+class Child:
+    """One service process of the mesh."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    ready_file: Path
+    log_path: Path | None
+    info: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        """host:port the service listens on (after it is ready)."""
+        return str(self.info["address"])
+
+    def log_tail(self, lines: int = 20) -> str:
+        """End of its log (when logging to a file)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class MeshStartError(RuntimeError):
+    """A service of the mesh failed to start."""
+
+
+class Mesh:
+    """Start and stop the embedded mesh; usable as a context manager."""
+
+    def __init__(self, config: MeshConfig) -> None:
+        self.config = config
+        self._tmp = tempfile.TemporaryDirectory(prefix="tokenmesh-up-")
+        self.run_dir = Path(self._tmp.name)
+        self.workers: list[Child] = []
+        self.router: Child | None = None
+        self.prober: Child | None = None
+        self._logs: list[IO[bytes]] = []
+
+    @property
+    def threads_per_worker(self) -> int:
+        """llama.cpp threads each worker's model gets."""
+        return self.config.threads or max(1, (os.cpu_count() or 1) // self.config.workers)
+
+    def spawn(self, name: str, service: str, *args: str) -> Child:
+        """Start ``tokenmesh <service> <args>`` with a ready file; return at once."""
+        ready = self.run_dir / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        log_path: Path | None = None
+        out: int | IO[bytes] | None = None
+        if self.config.log_dir:
+            Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
+            log_path = Path(self.config.log_dir) / f"{name}.log"
+            log_file = log_path.open("ab")
+            self._logs.append(log_file)
+            out = log_file
+        cmd = [sys.executable, "-m", "tokenmesh", service, "--ready-file", str(ready), *args]
+        proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+            env={**os.environ, **self.config.extra_env},
+            preexec_fn=die_with_parent,  # noqa: PLW1509 - needed so no child outlives `up`
+        )
+        return Child(name, proc, ready, log_path)
+
+    def wait_ready(self, children: list[Child]) -> None:
+        """Block until every child wrote its ready file, or raise MeshStartError."""
+        deadline = time.monotonic() + self.config.start_timeout_s
+        pending = list(children)
+        while pending:
+            for child in list(pending):
+                if child.ready_file.exists():
+                    child.info = json.loads(child.ready_file.read_text())
+                    pending.remove(child)
+                elif child.proc.poll() is not None:
+                    raise MeshStartError(
+                        f"{child.name} exited with {child.proc.returncode} during start\n{child.log_tail()}"
+                    )
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise MeshStartError(f"{names} not ready after {self.config.start_timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    def start(self) -> None:
+        """Workers first (in parallel), then the router, then the prober."""
+        cfg = self.config
+        try:
+            for i in range(cfg.workers):
+                args = ["--host", cfg.host, "--port", "0", "--threads", str(self.threads_per_worker),
+                        "--work-dir", str(self.run_dir / f"worker-{i}")]
+                if cfg.slots:
+                    args += ["--slots", str(cfg.slots)]
+                self.workers.append(self.spawn(f"worker-{i}", "worker", *args))
+            self.wait_ready(self.workers)
+            addresses = ",".join(w.address for w in self.workers)
+            self.router = self.spawn("router", "router", "--host", cfg.host, "--port", str(cfg.port),
+                                     "--workers", addresses)
+            self.wait_ready([self.router])
+            self.prober = self.spawn("prober", "prober", "--host", cfg.host, "--port", "0",
+                                     "--workers", addresses, "--routers", self.router.address)
+            self.wait_ready([self.prober])
+        except BaseException:
+            self.stop()
+            raise
+
+    def children(self) -> list[Child]:
+        """Every started child, router first (the order they are stopped in)."""
+        return [c for c in (self.router, self.prober, *self.workers) if c is not None]
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM each child (router first, so it drains), SIGKILL stragglers. Idempotent."""
+        for child in self.children():
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for child in self.children():
+            stop_process(child.proc, max(0.1, deadline - time.monotonic()))
+        for log_file in self._logs:
+            log_file.close()
+        self._logs.clear()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> Mesh:
+        """Start the mesh."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop the mesh."""
+        self.stop()

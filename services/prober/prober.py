@@ -1,0 +1,277 @@
+"""The prober: watches every worker, computes routing weights, pushes them to routers.
+
+Per worker it keeps a health ``Watch`` stream and a ``Stats`` stream on which it
+pings every ``interval_s`` (the answer's round trip is the probe RTT). The
+weights are recomputed at every ping round and at once on any health change;
+a table that differs from the last one gets a new version and is pushed to
+every router over ``Control.PushWeights``, whose acks are recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tokenmesh.config import check, csv, setting
+from tokenmesh.server import CHANNEL_OPTIONS, ServiceHost, install_signal_handlers, write_ready_file
+from tokenmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MIN_WEIGHT = 0.05
+"""Weight of a serving worker with no free slot (or stale stats): still picked, rarely."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProberConfig:
+    """Settings of the prober (flags ``--name``, env ``TOKENMESH_PROBER_NAME``)."""
+
+    host: str = setting("127.0.0.1", "address to listen on (health and reflection only)")
+    port: int = setting(50071, "gRPC port; 0 picks a free one")
+    workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated", parse=csv)
+    routers: tuple[str, ...] = setting((), "router addresses host:port to push weights to, comma-separated", parse=csv)
+    interval_s: float = setting(0.1, "seconds between stats pings to each worker (and weight recomputations)")
+    probe_timeout_s: float = setting(1.0, "a ping unanswered this long marks the worker unreachable")
+    ready_file: str = setting("", "write {address, pid} as JSON here once running")
+
+    def __post_init__(self) -> None:
+        """Validate ranges."""
+        check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(bool(self.workers), "give at least one worker address (--workers host:port,...)")
+        check(0 < self.interval_s <= 10, f"interval_s must be in (0, 10], got {self.interval_s}")
+        check(self.probe_timeout_s > 0, f"probe_timeout_s must be > 0, got {self.probe_timeout_s}")
+        for address in (*self.workers, *self.routers):
+            check(":" in address, f"address {address!r} must be host:port")
+
+
+@dataclass
+class WorkerView:
+    """What the prober currently knows of one worker."""
+
+    address: str
+    reachable: bool = False
+    serving: bool = False
+    stats: worker_pb2.WorkerStats | None = None
+    stats_at: float = 0.0
+    rtt_s: float | None = None
+    error: str = "not contacted yet"
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A worker's weight and why."""
+
+    weight: float
+    state: int
+    reason: str
+
+
+def compute_weight(view: WorkerView, now: float, stale_after_s: float) -> Weight:
+    """Weight of one worker: 0 unless reachable and SERVING, else its free capacity."""
+    if not view.reachable:
+        return Weight(0.0, router_pb2.WORKER_STATE_UNREACHABLE, f"unreachable: {view.error}")
+    if not view.serving:
+        return Weight(0.0, router_pb2.WORKER_STATE_NOT_SERVING, "health NOT_SERVING")
+    stats = view.stats
+    if stats is None or now - view.stats_at > stale_after_s:
+        return Weight(MIN_WEIGHT, router_pb2.WORKER_STATE_SERVING, "serving, stats stale")
+    limit = max(stats.concurrency_limit, 1)
+    free = max(limit - stats.in_flight, 0)
+    weight = max(round(free / limit, 2), MIN_WEIGHT)
+    return Weight(weight, router_pb2.WORKER_STATE_SERVING, f"serving, {free}/{limit} slots free")
+
+
+@dataclass
+class _RouterLink:
+    address: str
+    acked_version: int = 0
+    connected: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Prober:
+    """Lifecycle of the prober: start, run, stop (idempotent)."""
+
+    def __init__(self, config: ProberConfig) -> None:
+        self.config = config
+        self.views = {a: WorkerView(a) for a in config.workers}
+        self.routers = {a: _RouterLink(a) for a in config.routers}
+        self.table = router_pb2.WeightTable()
+        self._next_version = int(time.time() * 1000)  # grows across prober restarts
+        self._changed = asyncio.Event()
+        self._channels: list[grpc.aio.Channel] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.host = ServiceHost(config.host, config.port, [])
+        self._stopped = False
+
+    # -- watching workers ---------------------------------------------------
+
+    def _mark(self, view: WorkerView, *, reachable: bool, serving: bool | None = None, error: str = "") -> None:
+        changed = view.reachable != reachable or (serving is not None and view.serving != serving)
+        view.reachable = reachable
+        if serving is not None:
+            view.serving = serving
+        if error:
+            view.error = error
+        if changed:
+            self._changed.set()
+
+    async def _watch_health(self, view: WorkerView, channel: grpc.aio.Channel) -> None:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                async for update in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                    serving = update.status == health_pb2.HealthCheckResponse.SERVING
+                    self._mark(view, reachable=True, serving=serving)
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "health stream ended")
+            except grpc.aio.AioRpcError as exc:
+                self._mark(view, reachable=False, serving=False, error=f"health {exc.code().name}")
+            await asyncio.sleep(0.25)
+
+    async def _watch_stats(self, view: WorkerView, channel: grpc.aio.Channel) -> None:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        timeout = self.config.probe_timeout_s
+        ping_id = 0
+        while True:
+            call = stub.Stats()
+            try:
+                while True:
+                    ping_id += 1
+                    sent = time.monotonic()
+                    await asyncio.wait_for(call.write(worker_pb2.StatsPing(ping_id=ping_id)), timeout)
+                    stats = await asyncio.wait_for(call.read(), timeout)
+                    if stats is grpc.aio.EOF:
+                        raise ConnectionError("stats stream ended")
+                    view.rtt_s = time.monotonic() - sent
+                    view.stats = stats
+                    view.stats_at = time.monotonic()
+                    # A worker that was stopped (SIGSTOP) keeps its health stream
+                    # open; an answered ping is what says it is back.
+                    self._mark(view, reachable=True)
+                    await asyncio.sleep(self.config.interval_s)
+            except (grpc.aio.AioRpcError, TimeoutError, ConnectionError) as exc:
+                reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+                self._mark(view, reachable=False, error=f"stats {reason}")
+            finally:
+                call.cancel()
+            await asyncio.sleep(0.25)
+
+    # -- weights ------------------------------------------------------------
+
+    def compute_table(self) -> list[router_pb2.WorkerWeight]:
+        """Weights of every worker right now."""
+        now = time.monotonic()
+        stale_after = max(self.config.probe_timeout_s, 3 * self.config.interval_s)
+        result = []
+        for address in sorted(self.views):
+            view = self.views[address]
+            w = compute_weight(view, now, stale_after)
+            triton_url = view.stats.triton_url if view.stats else ""
+            result.append(
+                router_pb2.WorkerWeight(
+                    address=address, weight=w.weight, state=w.state, reason=w.reason, triton_url=triton_url
+                )
+            )
+        return result
+
+    async def _recompute(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self.config.interval_s)
+            self._changed.clear()
+            workers = self.compute_table()
+            if list(self.table.workers) == workers:
+                continue
+            self._next_version += 1
+            table = router_pb2.WeightTable(version=self._next_version, workers=workers)
+            table.decided_at.GetCurrentTime()
+            self.table = table
+            log.info(
+                "weights v%d: %s",
+                table.version,
+                ", ".join(f"{w.address}={w.weight:.2f}" for w in workers),
+            )
+            for link in self.routers.values():
+                link.wake.set()
+
+    # -- pushing to routers -------------------------------------------------
+
+    async def _push(self, link: _RouterLink, channel: grpc.aio.Channel) -> None:
+        stub = router_pb2_grpc.ControlStub(channel)
+        while True:
+            call = stub.PushWeights()
+            reader = asyncio.create_task(self._read_acks(link, call))
+            try:
+                sent = 0
+                while True:
+                    if self.table.version and self.table.version != sent:
+                        sent = self.table.version
+                        await call.write(self.table)
+                    link.wake.clear()
+                    waiter = asyncio.create_task(link.wake.wait())
+                    done, _ = await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                    if reader in done:
+                        waiter.cancel()
+                        reader.result()
+                        raise ConnectionError("ack stream ended")
+            except (grpc.aio.AioRpcError, ConnectionError, grpc.aio.UsageError) as exc:
+                link.connected = False
+                log.debug("push to router %s failed: %s", link.address, exc)
+            finally:
+                reader.cancel()
+                call.cancel()
+            await asyncio.sleep(0.25)
+
+    async def _read_acks(self, link: _RouterLink, call: grpc.aio.StreamStreamCall) -> None:
+        async for ack in call:
+            link.connected = True
+            link.acked_version = max(link.acked_version, ack.version)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Listen (health, reflection), start watching and pushing."""
+        await self.host.start()
+        for address, view in self.views.items():
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels.append(channel)
+            self._tasks.append(asyncio.create_task(self._watch_health(view, channel)))
+            self._tasks.append(asyncio.create_task(self._watch_stats(view, channel)))
+        for address, link in self.routers.items():
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels.append(channel)
+            self._tasks.append(asyncio.create_task(self._push(link, channel)))
+        self._tasks.append(asyncio.create_task(self._recompute()))
+        await self.host.set_serving(True)
+        log.info("prober on %s watching %d workers, pushing to %d routers", self.host.address,
+                 len(self.views), len(self.routers))
+        write_ready_file(self.config.ready_file, address=self.host.address, pid=os.getpid())
+
+    async def stop(self) -> None:
+        """Stop watching and pushing. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for channel in self._channels:
+            await channel.close()
+        await self.host.stop(grace=0.5)
+
+    async def run(self) -> None:
+        """Start, run until SIGTERM/SIGINT, then stop."""
+        stop = asyncio.Event()
+        install_signal_handlers(stop)
+        try:
+            await self.start()
+            await stop.wait()
+        finally:
+            await self.stop()

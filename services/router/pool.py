@@ -1,0 +1,145 @@
+"""The router's view of its workers and how it picks one.
+
+Each worker has a weight from the prober's latest table (or, before any table,
+1.0 for every worker whose health the router sees SERVING). Picking is the
+power of two choices: two distinct candidates drawn by weight, and the one with
+fewer generations in flight per unit of weight wins (ties: the one that served
+fewer), so load spreads even when weights are equal and stale.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from tokenmesh.errors import NotFound, Unavailable
+from tokenmesh.v1 import inference_pb2, router_pb2
+
+
+@dataclass(eq=False)
+class WorkerEntry:
+    """One worker as this router knows it."""
+
+    address: str
+    healthy: bool = False
+    """The router's own health Watch says SERVING."""
+    weight: float = 0.0
+    """Weight from the prober's table (valid when the pool has a table)."""
+    state: int = router_pb2.WORKER_STATE_UNSPECIFIED
+    reason: str = "no health answer yet"
+    triton_url: str = ""
+    models: dict[str, inference_pb2.ModelInfo] = field(default_factory=dict)
+    in_flight: int = 0
+    served_total: int = 0
+
+
+class WorkerPool:
+    """Workers by address, the weight table in force, and the pick."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.entries: dict[str, WorkerEntry] = {}
+        self.version = 0
+        self.received_at = 0.0
+        self._rng = rng or random.Random()
+
+    def add(self, address: str) -> WorkerEntry:
+        """The entry for address, created if new."""
+        entry = self.entries.get(address)
+        if entry is None:
+            entry = self.entries[address] = WorkerEntry(address)
+        return entry
+
+    def effective_weight(self, entry: WorkerEntry) -> float:
+        """Weight used for picking: the table's, and 0 while our own health check fails."""
+        if not entry.healthy:
+            return 0.0
+        return entry.weight if self.version else 1.0
+
+    def apply(self, table: router_pb2.WeightTable) -> bool:
+        """Use table if it is newer than the one in force; return whether it was applied."""
+        if table.version <= self.version:
+            return False
+        listed = set()
+        for w in table.workers:
+            entry = self.add(w.address)
+            entry.weight = max(0.0, min(1.0, w.weight))
+            entry.state = w.state
+            entry.reason = w.reason
+            if w.triton_url:
+                entry.triton_url = w.triton_url
+            listed.add(w.address)
+        for address, entry in self.entries.items():
+            if address not in listed:
+                entry.weight = 0.0
+                entry.reason = "not in the prober's table"
+        self.version = table.version
+        self.received_at = time.time()
+        return True
+
+    def models(self) -> dict[str, tuple[inference_pb2.ModelInfo, int]]:
+        """Models of workers with weight > 0: name -> (info, number of workers)."""
+        found: dict[str, tuple[inference_pb2.ModelInfo, int]] = {}
+        for entry in self.entries.values():
+            if self.effective_weight(entry) <= 0:
+                continue
+            for name, info in entry.models.items():
+                known = found.get(name)
+                found[name] = (known[0] if known else info, (known[1] if known else 0) + 1)
+        return found
+
+    def resolve_model(self, name: str) -> inference_pb2.ModelInfo:
+        """The model a request names ('' = default), or NotFound/Unavailable."""
+        models = self.models()
+        if not models:
+            raise Unavailable("no live worker: every worker is down, starting or draining; retry shortly")
+        if not name:
+            defaults = [info for info, _ in models.values() if info.is_default]
+            return defaults[0] if defaults else next(iter(models.values()))[0]
+        if name not in models:
+            raise NotFound(f"unknown model {name!r}; available: {', '.join(sorted(models))}")
+        return models[name][0]
+
+    def pick(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> WorkerEntry:
+        """A live worker serving model, by power of two weighted choices."""
+        candidates = [
+            e
+            for e in self.entries.values()
+            if e.address not in exclude and model in e.models and self.effective_weight(e) > 0
+        ]
+        if not candidates:
+            raise Unavailable(f"no live worker serves model {model!r} now; retry shortly")
+        if len(candidates) > 2:
+            first = self._draw(candidates)
+            rest = [e for e in candidates if e is not first]
+            candidates = [first, self._draw(rest)]
+
+        def score(e: WorkerEntry) -> tuple[float, int]:
+            return ((e.in_flight + 1) / self.effective_weight(e), e.served_total)
+
+        return min(candidates, key=score)
+
+    def _draw(self, entries: list[WorkerEntry]) -> WorkerEntry:
+        return self._rng.choices(entries, weights=[self.effective_weight(e) for e in entries])[0]
+
+    def table(self) -> router_pb2.RoutingTable:
+        """The routing table for operators."""
+        result = router_pb2.RoutingTable(version=self.version)
+        if self.received_at:
+            result.received_at.FromNanoseconds(int(self.received_at * 1e9))
+        for entry in sorted(self.entries.values(), key=lambda e: e.address):
+            state = entry.state
+            if not self.version:
+                state = router_pb2.WORKER_STATE_SERVING if entry.healthy else router_pb2.WORKER_STATE_NOT_SERVING
+            result.workers.append(
+                router_pb2.RoutingEntry(
+                    address=entry.address,
+                    weight=entry.weight if self.version else self.effective_weight(entry),
+                    state=state,
+                    in_flight=entry.in_flight,
+                    served_total=entry.served_total,
+                    reason=entry.reason,
+                    triton_url=entry.triton_url,
+                )
+            )
+        return result

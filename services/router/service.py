@@ -1,0 +1,359 @@
+"""The router: ``Inference`` for callers, ``Router`` for operators, ``Control`` for the prober."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tokenmesh.config import check, csv, setting
+from tokenmesh.errors import (
+    CALLER_ERROR_CLASSES,
+    AlreadyExists,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    from_generation_error,
+)
+from tokenmesh.router.pool import WorkerEntry, WorkerPool
+from tokenmesh.server import CHANNEL_OPTIONS, ServiceHost, install_signal_handlers, write_ready_file
+from tokenmesh.v1 import (
+    inference_pb2,
+    inference_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+ROLES = frozenset({"system", "user", "assistant"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """Settings of one router (flags ``--name``, env ``TOKENMESH_ROUTER_NAME``)."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(50051, "gRPC port; 0 picks a free one")
+    workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated", parse=csv)
+    default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset")
+    max_prompt_bytes: int = setting(1024 * 1024, "largest prompt (or sum of message contents) accepted, in bytes")
+    drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
+    ready_file: str = setting("", "write {address, pid} as JSON here once SERVING")
+
+    def __post_init__(self) -> None:
+        """Validate ranges."""
+        check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(self.default_max_tokens > 0, f"default_max_tokens must be > 0, got {self.default_max_tokens}")
+        check(self.max_prompt_bytes > 0, f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
+        for address in self.workers:
+            check(":" in address, f"worker address {address!r} must be host:port")
+
+
+class _Live:
+    """A generation in progress on this router."""
+
+    def __init__(self) -> None:
+        self.call: grpc.aio.StreamStreamCall | None = None
+        self.cancel_requested = False
+
+
+class _WorkerFailed(Exception):
+    """The worker could not run the generation; another worker may."""
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):  # type: ignore[misc]
+    """Generate, Resume, Cancel, ListModels."""
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool, stubs: dict[str, worker_pb2_grpc.WorkerStub]) -> None:
+        self._config = config
+        self._pool = pool
+        self._stubs = stubs
+        self.live: dict[str, _Live] = {}
+
+    def _validate(self, req: inference_pb2.GenerateRequest) -> inference_pb2.ModelInfo:
+        if bool(req.prompt) == bool(req.messages):
+            if req.prompt:
+                raise InvalidArgument("set either prompt or messages, not both")
+            raise InvalidArgument("empty request: set prompt, or messages with at least one {role, content}")
+        size = len(req.prompt.encode()) + sum(len(m.content.encode()) for m in req.messages)
+        if size > self._config.max_prompt_bytes:
+            raise InvalidArgument(
+                f"prompt is {size} bytes; the limit is {self._config.max_prompt_bytes} bytes: shorten it"
+            )
+        for i, message in enumerate(req.messages):
+            if message.role not in ROLES:
+                raise InvalidArgument(f"messages[{i}].role is {message.role!r}; use one of {', '.join(sorted(ROLES))}")
+        if req.HasField("temperature") and not (req.temperature >= 0 and math.isfinite(req.temperature)):
+            raise InvalidArgument(f"temperature must be >= 0, got {req.temperature}")
+        if req.HasField("top_p") and not (0 < req.top_p <= 1):
+            raise InvalidArgument(f"top_p must be in (0, 1], got {req.top_p}")
+        if req.priority not in inference_pb2.Priority.values():
+            raise InvalidArgument(f"unknown priority {req.priority}; use PRIORITY_LOW, _NORMAL or _HIGH")
+        model = self._pool.resolve_model(req.model)
+        if req.HasField("max_tokens") and not (1 <= req.max_tokens <= model.max_context):
+            raise InvalidArgument(
+                f"max_tokens must be 1..{model.max_context} (the context size of {model.name!r}), got {req.max_tokens}"
+            )
+        return model
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateChunk]:
+        """Admit, pick a worker, relay its chunks with seq 1..N."""
+        model = self._validate(request)
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.live:
+            raise AlreadyExists(f"request_id {request_id!r} is live already; use a new id, or Resume it")
+        forward = inference_pb2.GenerateRequest()
+        forward.CopyFrom(request)
+        forward.request_id = request_id
+        forward.model = model.name
+        if not request.HasField("max_tokens"):
+            forward.max_tokens = min(self._config.default_max_tokens, model.max_context)
+        live = self.live[request_id] = _Live()
+        tried: set[str] = set()
+        try:
+            while True:
+                entry = self._pool.pick(model.name, exclude=tried)
+                async with contextlib.aclosing(self._relay(entry, forward, live, context)) as relay:
+                    try:
+                        first = await anext(relay)
+                    except _WorkerFailed as failure:
+                        # Nothing reached the caller yet, so another worker may run it.
+                        log.warning("worker %s could not start %s: %s", entry.address, request_id, failure)
+                        tried.add(entry.address)
+                        continue
+                    except StopAsyncIteration:
+                        raise Unavailable(f"worker {entry.address} ended {request_id} without output") from None
+                    yield first
+                    try:
+                        async for chunk in relay:
+                            yield chunk
+                    except _WorkerFailed as failure:
+                        raise Unavailable(f"worker {entry.address} failed mid-stream: {failure}") from failure
+                    return
+        finally:
+            del self.live[request_id]
+
+    async def _relay(
+        self,
+        entry: WorkerEntry,
+        forward: inference_pb2.GenerateRequest,
+        live: _Live,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[inference_pb2.GenerateChunk]:
+        """Run forward on entry's worker; raise _WorkerFailed when the worker is at fault."""
+        stub = self._stubs[entry.address]
+        entry.in_flight += 1
+        call = stub.Generate(timeout=context.time_remaining())
+        live.call = call
+        seq = 0
+        try:
+            await call.write(worker_pb2.WorkerCommand(start=forward))
+            if live.cancel_requested:
+                await call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
+            async for event in call:
+                kind = event.WhichOneof("event")
+                seq += 1
+                if kind == "chunk":
+                    yield inference_pb2.GenerateChunk(
+                        request_id=forward.request_id,
+                        seq=seq,
+                        text=event.chunk.text,
+                        token_count=event.chunk.token_count,
+                        model=forward.model,
+                    )
+                elif kind == "end":
+                    entry.served_total += 1
+                    yield inference_pb2.GenerateChunk(
+                        request_id=forward.request_id,
+                        seq=seq,
+                        finish_reason=event.end.finish_reason,
+                        usage=event.end.usage,
+                        model=forward.model,
+                    )
+                    return
+                else:
+                    error = event.error
+                    if error.error_class in CALLER_ERROR_CLASSES:
+                        raise from_generation_error(error)
+                    raise _WorkerFailed(error.message)
+            raise _WorkerFailed("worker closed the stream without an end")
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceeded("the deadline passed before the generation finished") from exc
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+                raise InvalidArgument(exc.details() or str(code)) from exc
+            raise _WorkerFailed(f"{code.name}: {exc.details()}") from exc
+        finally:
+            entry.in_flight -= 1
+            live.call = None
+            call.cancel()  # no-op when done; tells the worker to stop when we stopped early
+
+    async def Resume(  # noqa: N802 - gRPC method name
+        self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateChunk]:
+        """Not in this release: resume arrives with the replay buffers."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Resume is not implemented yet")
+        yield inference_pb2.GenerateChunk()  # pragma: no cover - makes this an async generator
+
+    async def Cancel(  # noqa: N802 - gRPC method name
+        self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.CancelResponse:
+        """Ask the worker to stop a live generation; its stream ends with CANCELLED."""
+        live = self.live.get(request.request_id)
+        if live is None:
+            raise NotFound(f"no live generation with request_id {request.request_id!r} on this router")
+        live.cancel_requested = True
+        if live.call is not None:
+            with contextlib.suppress(grpc.aio.UsageError, grpc.aio.AioRpcError):
+                await live.call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
+        return inference_pb2.CancelResponse(cancelled=True)
+
+    async def ListModels(  # noqa: N802 - gRPC method name
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ListModelsResponse:
+        """Models of the live workers."""
+        response = inference_pb2.ListModelsResponse()
+        for name, (info, count) in sorted(self._pool.models().items()):
+            model = response.models.add()
+            model.CopyFrom(info)
+            model.workers = count
+        return response
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
+    """Operator API."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self._pool = pool
+
+    async def GetRoutingTable(  # noqa: N802 - gRPC method name
+        self, request: router_pb2.GetRoutingTableRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RoutingTable:
+        """The table in force and per-worker counters."""
+        return self._pool.table()
+
+
+class ControlServicer(router_pb2_grpc.ControlServicer):  # type: ignore[misc]
+    """Weight tables from the prober; each version acked."""
+
+    def __init__(self, pool: WorkerPool, on_new_worker: asyncio.Queue[str]) -> None:
+        self._pool = pool
+        self._new_workers = on_new_worker
+
+    async def PushWeights(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[router_pb2.WeightTable], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.WeightAck]:
+        """Apply each newer table; ack every one."""
+        async for table in request_iterator:
+            known = set(self._pool.entries)
+            applied = self._pool.apply(table)
+            for address in set(self._pool.entries) - known:
+                self._new_workers.put_nowait(address)
+            yield router_pb2.WeightAck(version=table.version, applied=applied)
+
+
+class Router:
+    """Lifecycle of one router: start, ready (SERVING), drain, stop."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.pool = WorkerPool()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._new_workers: asyncio.Queue[str] = asyncio.Queue()
+        self.inference = InferenceServicer(config, self.pool, self._stubs)
+        names = [
+            inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+            router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+            router_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
+        ]
+        self.host = ServiceHost(config.host, config.port, names)
+        inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, self.host.server)
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool), self.host.server)
+        router_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self.pool, self._new_workers), self.host.server)
+        self._adder: asyncio.Task[None] | None = None
+        self._stopped = False
+
+    def _watch(self, address: str) -> None:
+        if address in self._watchers:
+            return
+        self.pool.add(address)
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channels[address] = channel
+        self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
+        self._watchers[address] = asyncio.create_task(self._watch_worker(address, channel))
+
+    async def _watch_worker(self, address: str, channel: grpc.aio.Channel) -> None:
+        """Keep entry.healthy and entry.models current from Describe and health Watch."""
+        entry = self.pool.entries[address]
+        stub = self._stubs[address]
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+                async for update in watch:
+                    serving = update.status == health_pb2.HealthCheckResponse.SERVING
+                    if serving:
+                        described = await stub.Describe(worker_pb2.DescribeRequest(), timeout=5)
+                        entry.models = {m.name: m for m in described.models}
+                        entry.triton_url = described.triton_url
+                    entry.healthy = serving
+                    if not self.pool.version:
+                        entry.reason = "health SERVING" if serving else "health NOT_SERVING"
+            except grpc.aio.AioRpcError as exc:
+                entry.healthy = False
+                if not self.pool.version:
+                    entry.reason = f"unreachable: {exc.code().name}"
+            await asyncio.sleep(0.5)
+
+    async def _add_workers(self) -> None:
+        while True:
+            self._watch(await self._new_workers.get())
+
+    async def start(self) -> None:
+        """Listen, start watching the configured workers, SERVING."""
+        await self.host.start()
+        for address in self.config.workers:
+            self._watch(address)
+        self._adder = asyncio.create_task(self._add_workers())
+        await self.host.set_serving(True)
+        log.info("router SERVING on %s with workers %s", self.host.address, ", ".join(self.config.workers) or "-")
+        write_ready_file(self.config.ready_file, address=self.host.address, pid=os.getpid())
+
+    async def stop(self) -> None:
+        """NOT_SERVING, let in-flight generations finish within the grace period, stop. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.host.stop(grace=self.config.drain_grace_s)
+        for task in [*self._watchers.values(), *([self._adder] if self._adder else [])]:
+            task.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM/SIGINT, then stop."""
+        stop = asyncio.Event()
+        install_signal_handlers(stop)
+        try:
+            await self.start()
+            await stop.wait()
+        finally:
+            await self.stop()
+

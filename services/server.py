@@ -1,0 +1,152 @@
+"""What every tokenmesh gRPC server shares: health, reflection, errors, ready file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer as _AsyncHealthServicer
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_reflection.v1alpha._async import ReflectionServicer as _AsyncReflectionServicer
+
+from tokenmesh.errors import ErrorInterceptor
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# Long-lived streams (generations of minutes, stats, weight pushes) must survive
+# idle proxies and notice dead peers: keepalive pings every 10 s, answered
+# within 5 s, allowed without active calls.
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+    ("grpc.max_send_message_length", 8 * 1024 * 1024),
+)
+SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+    ("grpc.max_send_message_length", 8 * 1024 * 1024),
+    ("grpc.so_reuseport", 0),
+)
+
+
+class HealthServicer(_AsyncHealthServicer):  # type: ignore[misc]
+    """grpc.health.v1 with every watcher notified.
+
+    The upstream async servicer drops a service's condition when any one of its
+    watchers leaves, so the other watchers (the prober and each router watch
+    the same worker) would never hear of a later change. Here conditions live
+    as long as the servicer.
+    """
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        """Stream the status now and after every change."""
+        condition = self._server_watchers[request.service]
+        last = None
+        async with condition:
+            while True:
+                status = self._server_status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                if status != last:
+                    await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+                await condition.wait()
+
+
+class ReflectionServicer(_AsyncReflectionServicer):  # type: ignore[misc]
+    """Server reflection that also resolves method names (``grpcurl describe pkg.Svc.Method``).
+
+    The C-backed protobuf pool finds services and messages but not methods, so
+    a method's file is looked up through its service.
+    """
+
+    def _file_containing_symbol(self, request: Any, fully_qualified_name: str) -> Any:
+        try:
+            self._pool.FindFileContainingSymbol(fully_qualified_name)
+        except KeyError:
+            parent, _, method = fully_qualified_name.rpartition(".")
+            try:
+                service = self._pool.FindServiceByName(parent)
+            except KeyError:
+                service = None
+            if service is not None and method in service.methods_by_name:
+                fully_qualified_name = parent
+        return super()._file_containing_symbol(request, fully_qualified_name)
+
+
+class ServiceHost:
+    """A grpc.aio server with the error interceptor, health and reflection.
+
+    Health starts NOT_SERVING; the owner flips it with :meth:`set_serving`
+    once it can take work, and back while draining.
+    """
+
+    def __init__(self, host: str, port: int, service_names: Iterable[str]) -> None:
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            ReflectionServicer([*self._names, reflection.SERVICE_NAME]), self.server
+        )
+        self._host = host
+        self._requested_port = port
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        """host:port the server listens on (after start)."""
+        return f"{self._host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind and start; return the bound port (useful with port 0)."""
+        self.port = self.server.add_insecure_port(f"{self._host}:{self._requested_port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self._host}:{self._requested_port} (in use or not permitted)")
+        await self.server.start()
+        await self.set_serving(False)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        """Set overall and per-service health."""
+        status = SERVING if serving else NOT_SERVING
+        for name in ["", *self._names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        """NOT_SERVING, then stop accepting and let calls finish within grace."""
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+def write_ready_file(path: str | None, **info: Any) -> None:
+    """Atomically write ``info`` as JSON to path (how parents learn our port)."""
+    if not path:
+        return
+    target = Path(path)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, target)
+
+
+def install_signal_handlers(stop: asyncio.Event) -> None:
+    """SIGTERM and SIGINT set ``stop`` (the service then drains and exits)."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)

@@ -1,0 +1,128 @@
+from tokenmesh.v1 import inference_pb2 as _inference_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_CLASS_UNSPECIFIED: _ClassVar[ErrorClass]
+    ERROR_CLASS_INVALID_REQUEST: _ClassVar[ErrorClass]
+    ERROR_CLASS_UNAVAILABLE: _ClassVar[ErrorClass]
+    ERROR_CLASS_TIMEOUT: _ClassVar[ErrorClass]
+    ERROR_CLASS_OUT_OF_MEMORY: _ClassVar[ErrorClass]
+    ERROR_CLASS_BACKEND: _ClassVar[ErrorClass]
+    ERROR_CLASS_MODEL_NOT_FOUND: _ClassVar[ErrorClass]
+ERROR_CLASS_UNSPECIFIED: ErrorClass
+ERROR_CLASS_INVALID_REQUEST: ErrorClass
+ERROR_CLASS_UNAVAILABLE: ErrorClass
+ERROR_CLASS_TIMEOUT: ErrorClass
+ERROR_CLASS_OUT_OF_MEMORY: ErrorClass
+ERROR_CLASS_BACKEND: ErrorClass
+ERROR_CLASS_MODEL_NOT_FOUND: ErrorClass
+
+class WorkerCommand(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: _inference_pb2.GenerateRequest
+    cancel: CancelGeneration
+    def __init__(self, start: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ...) -> None: ...
+
+class CancelGeneration(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class WorkerEvent(_message.Message):
+    __slots__ = ("chunk", "end", "error")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    chunk: TokenChunk
+    end: GenerationEnd
+    error: GenerationError
+    def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., end: _Optional[_Union[GenerationEnd, _Mapping]] = ..., error: _Optional[_Union[GenerationError, _Mapping]] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("text", "token_count")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_count: int
+    def __init__(self, text: _Optional[str] = ..., token_count: _Optional[int] = ...) -> None: ...
+
+class GenerationEnd(_message.Message):
+    __slots__ = ("finish_reason", "usage")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: _inference_pb2.FinishReason
+    usage: _inference_pb2.Usage
+    def __init__(self, finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_inference_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class GenerationError(_message.Message):
+    __slots__ = ("error_class", "message")
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    error_class: ErrorClass
+    message: str
+    def __init__(self, error_class: _Optional[_Union[ErrorClass, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StatsPing(_message.Message):
+    __slots__ = ("ping_id",)
+    PING_ID_FIELD_NUMBER: _ClassVar[int]
+    ping_id: int
+    def __init__(self, ping_id: _Optional[int] = ...) -> None: ...
+
+class DeviceStats(_message.Message):
+    __slots__ = ("index", "name", "memory_used_bytes", "memory_total_bytes", "utilization_percent")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    memory_used_bytes: int
+    memory_total_bytes: int
+    utilization_percent: int
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., utilization_percent: _Optional[int] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("ping_id", "in_flight", "concurrency_limit", "serving", "served_total", "tokens_total", "devices", "triton_url")
+    PING_ID_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    SERVED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    TRITON_URL_FIELD_NUMBER: _ClassVar[int]
+    ping_id: int
+    in_flight: int
+    concurrency_limit: int
+    serving: bool
+    served_total: int
+    tokens_total: int
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceStats]
+    triton_url: str
+    def __init__(self, ping_id: _Optional[int] = ..., in_flight: _Optional[int] = ..., concurrency_limit: _Optional[int] = ..., serving: _Optional[bool] = ..., served_total: _Optional[int] = ..., tokens_total: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStats, _Mapping]]] = ..., triton_url: _Optional[str] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("models", "triton_url", "cuda_visible_devices")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    TRITON_URL_FIELD_NUMBER: _ClassVar[int]
+    CUDA_VISIBLE_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[_inference_pb2.ModelInfo]
+    triton_url: str
+    cuda_visible_devices: str
+    def __init__(self, models: _Optional[_Iterable[_Union[_inference_pb2.ModelInfo, _Mapping]]] = ..., triton_url: _Optional[str] = ..., cuda_visible_devices: _Optional[str] = ...) -> None: ...

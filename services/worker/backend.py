@@ -1,0 +1,114 @@
+"""The worker's one backend seam: what the worker needs from an inference engine.
+
+:class:`TritonBackend` (``triton.py``) is the implementation every user path
+runs. Tests of the worker's own logic may implement :class:`Backend` in memory.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model the backend serves."""
+
+    name: str
+    """Name callers use."""
+    max_context: int
+    """Context window per request in tokens (prompt plus output)."""
+    slots: int
+    """Generations the model runs at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """One generation, already validated by the router."""
+
+    model: str
+    prompt: str = ""
+    messages: tuple[tuple[str, str], ...] = ()
+    """(role, content) pairs; when set, prompt is ignored."""
+    max_tokens: int = 256
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    request_id: str = ""
+    timeout_s: float | None = None
+    """Time left before the caller's deadline."""
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """Text generated since the previous event."""
+
+    text: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The generation ended normally (always the last event)."""
+
+    reason: str
+    """"stop", "length" or "cancelled"."""
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class BackendError(Exception):
+    """A generation failed; ``error_class`` is a ``worker_pb2.ErrorClass``."""
+
+    def __init__(self, error_class: int, message: str) -> None:
+        super().__init__(message)
+        self.error_class = error_class
+        self.message = message
+
+
+class Generation(abc.ABC):
+    """A running generation: iterate for events, cancel to stop it.
+
+    Iteration yields :class:`Delta` events and ends with one :class:`Finished`
+    (reason "cancelled" after :meth:`cancel`), or raises :class:`BackendError`.
+    """
+
+    @abc.abstractmethod
+    def __aiter__(self) -> AsyncIterator[Delta | Finished]:
+        """Events in order."""
+
+    @abc.abstractmethod
+    def cancel(self) -> None:
+        """Stop the generation in the engine; safe to call at any time, twice."""
+
+
+class Backend(abc.ABC):
+    """An inference engine the worker forwards generations to."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Start or connect; return once every model is ready."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Release the engine; idempotent."""
+
+    @abc.abstractmethod
+    def models(self) -> list[ModelSpec]:
+        """Models served (valid after start)."""
+
+    @abc.abstractmethod
+    def generate(self, params: GenerationParams) -> Generation:
+        """Begin a generation."""
+
+    @abc.abstractmethod
+    async def ready(self) -> bool:
+        """True while the engine can take generations."""
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """Where the engine listens (host:port), for operators and tools."""

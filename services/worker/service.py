@@ -1,0 +1,283 @@
+"""The worker: serves ``tokenmesh.v1.Worker`` over one backend (Triton)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from tokenmesh.config import check, setting
+from tokenmesh.errors import InvalidArgument, NotFound, Unavailable
+from tokenmesh.server import ServiceHost, install_signal_handlers, write_ready_file
+from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from tokenmesh.worker.backend import Backend, BackendError, Delta, GenerationParams, ModelSpec
+from tokenmesh.worker.devices import DeviceReader, nvml_reader
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    "stop": inference_pb2.FINISH_REASON_STOP,
+    "length": inference_pb2.FINISH_REASON_LENGTH,
+    "cancelled": inference_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """Settings of one worker (flags ``--name``, env ``TOKENMESH_WORKER_NAME``)."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(50061, "gRPC port; 0 picks a free one")
+    triton_url: str = setting("", "use this running Triton (host:port, e.g. a sidecar) instead of starting one")
+    model_repository: str = setting("", "model repository for the Triton we start; empty = the shipped SmolLM2 model")
+    devices: str = setting("", "CUDA_VISIBLE_DEVICES for our Triton; empty inherits the environment")
+    threads: int = setting(0, "llama.cpp threads per model (config.pbtxt n_threads); 0 keeps the model's value")
+    slots: int = setting(0, "concurrent generations per model (config.pbtxt n_parallel); 0 keeps the model's value")
+    work_dir: str = setting("", "folder for Triton's files and log; empty = a new temporary folder")
+    drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
+    ready_file: str = setting("", "write {address, triton_url, pid} as JSON here once SERVING")
+
+    def __post_init__(self) -> None:
+        """Validate ranges."""
+        check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
+        check(self.slots >= 0, f"slots must be >= 0, got {self.slots}")
+        check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if self.model_repository:
+            check(Path(self.model_repository).is_dir(), f"model_repository {self.model_repository!r} is not a folder")
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
+    """Generate/Stats/Describe over a :class:`Backend`."""
+
+    def __init__(self, backend: Backend, devices: DeviceReader, cuda_visible_devices: str = "") -> None:
+        self._backend = backend
+        self._devices = devices
+        self._cuda_visible_devices = cuda_visible_devices
+        self.serving = False
+        self.in_flight = 0
+        self.served_total = 0
+        self.tokens_total = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def _model(self, name: str) -> ModelSpec:
+        models = self._backend.models()
+        if not models:
+            raise Unavailable("worker has no model loaded yet")
+        if not name:
+            return models[0]
+        for spec in models:
+            if spec.name == name:
+                return spec
+        raise NotFound(f"model {name!r} is not served here; served: {', '.join(m.name for m in models)}")
+
+    def concurrency_limit(self) -> int:
+        """Generations the worker runs at once (sum of model slots)."""
+        return sum(spec.slots for spec in self._backend.models()) or 1
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[worker_pb2.WorkerCommand], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerEvent]:
+        """Run one generation; a cancel command or a vanished caller stops it."""
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("command") != "start":
+            raise InvalidArgument("the first WorkerCommand must be `start` with the GenerateRequest")
+        if not self.serving:
+            raise Unavailable("worker is not serving (starting, draining, or its Triton is down)")
+        req = first.start
+        spec = self._model(req.model)
+        params = GenerationParams(
+            model=spec.name,
+            prompt=req.prompt,
+            messages=tuple((m.role, m.content) for m in req.messages),
+            max_tokens=req.max_tokens,
+            temperature=req.temperature if req.HasField("temperature") else None,
+            top_p=req.top_p if req.HasField("top_p") else None,
+            stop=tuple(req.stop),
+            seed=req.seed if req.HasField("seed") else None,
+            request_id=req.request_id,
+            timeout_s=context.time_remaining(),
+            labels=dict(req.labels),
+        )
+        generation = self._backend.generate(params)
+        self.in_flight += 1
+        self.idle.clear()
+
+        async def watch_commands() -> None:
+            async for command in request_iterator:
+                if command.WhichOneof("command") == "cancel":
+                    generation.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch_commands())
+        try:
+            async for event in generation:
+                if isinstance(event, Delta):
+                    self.tokens_total += event.tokens
+                    yield worker_pb2.WorkerEvent(chunk=worker_pb2.TokenChunk(text=event.text, token_count=event.tokens))
+                    continue
+                self.served_total += 1
+                usage = inference_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
+                reason = FINISH_REASONS.get(event.reason, inference_pb2.FINISH_REASON_STOP)
+                yield worker_pb2.WorkerEvent(end=worker_pb2.GenerationEnd(finish_reason=reason, usage=usage))
+                return
+        except BackendError as error:
+            log.warning("generation %s failed (%s): %s", req.request_id, error.error_class, error.message)
+            yield worker_pb2.WorkerEvent(
+                error=worker_pb2.GenerationError(error_class=error.error_class, message=error.message)
+            )
+        finally:
+            watcher.cancel()
+            generation.cancel()  # no-op when it finished; stops Triton when the caller vanished
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
+
+    async def Stats(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[worker_pb2.StatsPing], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerStats]:
+        """Answer each ping with the worker's stats right now."""
+        async for ping in request_iterator:
+            devices = [
+                worker_pb2.DeviceStats(
+                    index=d.index,
+                    name=d.name,
+                    memory_used_bytes=d.memory_used_bytes,
+                    memory_total_bytes=d.memory_total_bytes,
+                    utilization_percent=d.utilization_percent,
+                )
+                for d in await asyncio.to_thread(self._devices)
+            ]
+            yield worker_pb2.WorkerStats(
+                ping_id=ping.ping_id,
+                in_flight=self.in_flight,
+                concurrency_limit=self.concurrency_limit(),
+                serving=self.serving,
+                served_total=self.served_total,
+                tokens_total=self.tokens_total,
+                devices=devices,
+                triton_url=self._backend.endpoint,
+            )
+
+    async def Describe(  # noqa: N802 - gRPC method name
+        self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DescribeResponse:
+        """Models served, Triton endpoint and devices."""
+        models = self._backend.models()
+        return worker_pb2.DescribeResponse(
+            models=[
+                inference_pb2.ModelInfo(name=m.name, max_context=m.max_context, is_default=(i == 0), workers=1)
+                for i, m in enumerate(models)
+            ],
+            triton_url=self._backend.endpoint,
+            cuda_visible_devices=self._cuda_visible_devices,
+        )
+
+
+class Worker:
+    """Lifecycle of one worker: start, ready (SERVING), drain, stop."""
+
+    def __init__(self, config: WorkerConfig, backend: Backend | None = None) -> None:
+        self.config = config
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.backend = backend or self._triton_backend()
+        self.servicer = WorkerServicer(self.backend, nvml_reader(config.devices or None), config.devices)
+        service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+        self.host = ServiceHost(config.host, config.port, [service_name])
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.host.server)
+        self._stopped = False
+        self._monitor: asyncio.Task[None] | None = None
+
+    def _triton_backend(self) -> Backend:
+        from tokenmesh.worker.triton import (
+            DEFAULT_MODEL_REPOSITORY,
+            TritonBackend,
+            TritonBackendConfig,
+            TritonProcessConfig,
+        )
+
+        cfg = self.config
+        if cfg.triton_url:
+            return TritonBackend(TritonBackendConfig(url=cfg.triton_url))
+        if cfg.work_dir:
+            work_dir = Path(cfg.work_dir)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tokenmesh-worker-")
+            work_dir = Path(self._tmp.name)
+        overrides = []
+        if cfg.threads:
+            overrides.append(("n_threads", str(cfg.threads)))
+        if cfg.slots:
+            overrides.append(("n_parallel", str(cfg.slots)))
+        process = TritonProcessConfig(
+            work_dir=work_dir,
+            model_repository=Path(cfg.model_repository) if cfg.model_repository else DEFAULT_MODEL_REPOSITORY,
+            model_parameters=tuple(overrides),
+            cuda_visible_devices=cfg.devices or None,
+        )
+        return TritonBackend(TritonBackendConfig(process=process))
+
+    async def start(self) -> None:
+        """Listen (NOT_SERVING), start the backend, warm up, then SERVING."""
+        await self.host.start()
+        log.info("worker listening on %s; starting backend", self.host.address)
+        await self.backend.start()
+        await self._warm_up()
+        self.servicer.serving = True
+        await self.host.set_serving(True)
+        self._monitor = asyncio.create_task(self._watch_backend())
+        log.info("worker SERVING on %s (Triton %s)", self.host.address, self.backend.endpoint)
+        write_ready_file(
+            self.config.ready_file, address=self.host.address, triton_url=self.backend.endpoint, pid=os.getpid()
+        )
+
+    async def _warm_up(self) -> None:
+        spec = self.backend.models()[0]
+        async for _ in self.backend.generate(GenerationParams(model=spec.name, prompt="Hello", max_tokens=2)):
+            pass
+
+    async def _watch_backend(self) -> None:
+        # Without a live backend the worker must say so at once, so the prober
+        # sets its weight to 0 and routers stop sending it work.
+        process = getattr(self.backend, "process", None)
+        if process is None:
+            return
+        code = await process.wait()
+        if not self._stopped:
+            log.error("tritonserver exited with %s; worker NOT_SERVING\n%s", code, process.log_tail())
+            self.servicer.serving = False
+            await self.host.set_serving(False)
+
+    async def stop(self) -> None:
+        """Drain (NOT_SERVING, finish in-flight within the grace period), then stop. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.servicer.serving = False
+        await self.host.set_serving(False)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.servicer.idle.wait(), self.config.drain_grace_s)
+        await self.host.stop(grace=1.0)
+        if self._monitor is not None:
+            self._monitor.cancel()
+        await self.backend.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM/SIGINT, then stop."""
+        stop = asyncio.Event()
+        install_signal_handlers(stop)
+        try:
+            await self.start()
+            await stop.wait()
+        finally:
+            await self.stop()

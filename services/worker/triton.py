@@ -1,0 +1,412 @@
+"""Triton Inference Server: the process a worker starts, and the backend over it.
+
+:class:`TritonProcess` runs the ``tritonserver`` binary shipped in the
+nvidia-pytriton wheel on loopback ports, in a per-worker folder.
+:class:`TritonBackend` forwards generations to a Triton (its own or one given by
+URL) with ``tritonclient.grpc.aio`` ``stream_infer`` on a decoupled model whose
+tensors follow the Triton vLLM backend contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import sysconfig
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc.aio as triton_aio
+from google.protobuf import text_format
+from tritonclient.grpc import InferInput
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.utils import InferenceServerException
+
+from tokenmesh.errors import classify_backend_message
+from tokenmesh.process import die_with_parent
+from tokenmesh.v1 import worker_pb2
+from tokenmesh.worker.backend import (
+    Backend,
+    BackendError,
+    Delta,
+    Finished,
+    Generation,
+    GenerationParams,
+    ModelSpec,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
+
+
+def _pytriton_dir() -> Path:
+    import pytriton
+
+    return Path(pytriton.__file__).parent
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, kw_only=True)
+class TritonProcessConfig:
+    """How a worker starts its own Triton server."""
+
+    work_dir: Path
+    """Per-worker folder for the backend binaries, model copy and log."""
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    """Source model repository; copied, with parameter overrides applied."""
+    model_parameters: tuple[tuple[str, str], ...] = ()
+    """config.pbtxt parameters to override in every model (e.g. n_threads)."""
+    cuda_visible_devices: str | None = None
+    """CUDA_VISIBLE_DEVICES for Triton; None inherits ours."""
+    host: str = "127.0.0.1"
+    """Address Triton listens on."""
+    start_timeout_s: float = 180.0
+    """How long to wait for every model to be READY."""
+
+
+class TritonProcess:
+    """A ``tritonserver`` child process; :meth:`stop` is safe to call twice."""
+
+    def __init__(self, config: TritonProcessConfig) -> None:
+        self.config = config
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._proc: asyncio.subprocess.Process | None = None
+        self.log_path = config.work_dir / "tritonserver.log"
+
+    @property
+    def url(self) -> str:
+        """host:port of Triton's gRPC endpoint."""
+        return f"{self.config.host}:{self.grpc_port}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the tritonserver process while it runs."""
+        return self._proc.pid if self._proc else None
+
+    def _prepare(self) -> tuple[Path, Path]:
+        """Lay out backends/python (with the stub for our Python) and models/."""
+        cfg = self.config
+        dist = _pytriton_dir() / "tritonserver"
+        backend_dir = cfg.work_dir / "backends"
+        py_backend = backend_dir / "python"
+        py_backend.mkdir(parents=True, exist_ok=True)
+        for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+            shutil.copy2(dist / "backends" / "python" / name, py_backend / name)
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+        if not stub.exists():
+            raise RuntimeError(f"nvidia-pytriton ships no Python backend stub for Python {version}")
+        shutil.copy2(stub, py_backend / "triton_python_backend_stub")
+
+        models = cfg.work_dir / "models"
+        if models.exists():
+            shutil.rmtree(models)
+        shutil.copytree(cfg.model_repository, models, ignore=shutil.ignore_patterns("__pycache__"))
+        if cfg.model_parameters:
+            for config_file in models.glob("*/config.pbtxt"):
+                model_config = text_format.Parse(config_file.read_text(), mc.ModelConfig())
+                for key, value in cfg.model_parameters:
+                    model_config.parameters[key].string_value = value
+                config_file.write_text(text_format.MessageToString(model_config))
+        return backend_dir, models
+
+    def _environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        libs = [
+            str(sysconfig.get_config_var("LIBDIR")),  # libpython of *this* interpreter (see ARCHITECTURE pitfalls)
+            str(_pytriton_dir().parent / "nvidia_pytriton.libs"),
+        ]
+        if env.get("LD_LIBRARY_PATH"):
+            libs.append(env["LD_LIBRARY_PATH"])
+        env["LD_LIBRARY_PATH"] = ":".join(libs)
+        # The stub's embedded Python ignores PYTHONPATH and finds its prefix by
+        # looking up "python3" on PATH: our venv's bin first makes it use the
+        # venv's site-packages (xllamacpp, numpy<2) and not the system's.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        if self.config.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.config.cuda_visible_devices
+        return env
+
+    async def start(self) -> None:
+        """Start Triton and return once its server is live (models may still load)."""
+        cfg = self.config
+        cfg.work_dir.mkdir(parents=True, exist_ok=True)
+        backend_dir, models = self._prepare()
+        self.grpc_port = _free_port(cfg.host)
+        self.metrics_port = _free_port(cfg.host)
+        binary = _pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
+        args = [
+            str(binary),
+            f"--model-repository={models}",
+            f"--backend-directory={backend_dir}",
+            f"--cache-directory={_pytriton_dir() / 'tritonserver' / 'caches'}",
+            f"--grpc-address={cfg.host}",
+            f"--grpc-port={self.grpc_port}",
+            "--allow-http=false",
+            f"--metrics-address={cfg.host}",
+            f"--metrics-port={self.metrics_port}",
+            "--exit-timeout-secs=5",
+            "--log-verbose=0",
+        ]
+        log_file = self.log_path.open("ab")
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *args,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL,
+                env=self._environment(),
+                cwd=cfg.work_dir,
+                preexec_fn=die_with_parent,  # Triton must not outlive its worker, even a SIGKILLed one
+            )
+        finally:
+            log_file.close()
+        log.info("tritonserver pid %d on %s (log %s)", self._proc.pid, self.url, self.log_path)
+
+    def exited(self) -> bool:
+        """True once the process has ended."""
+        return self._proc is not None and self._proc.returncode is not None
+
+    async def wait(self) -> int:
+        """Wait for the process to end; return its exit code."""
+        assert self._proc is not None
+        return await self._proc.wait()
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The end of Triton's log, for error messages."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it has not ended in 10 s."""
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+def _bytes_input(name: str, value: str) -> InferInput:
+    tensor = InferInput(name, [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([value.encode("utf-8")], dtype=np.object_))
+    return tensor
+
+
+def build_inputs(params: GenerationParams) -> list[InferInput]:
+    """The vLLM-backend tensors for a generation (plus the messages extension)."""
+    sampling: dict[str, Any] = {"max_tokens": params.max_tokens}
+    if params.temperature is not None:
+        sampling["temperature"] = params.temperature
+    if params.top_p is not None:
+        sampling["top_p"] = params.top_p
+    if params.stop:
+        sampling["stop"] = list(params.stop)
+    if params.seed is not None:
+        sampling["seed"] = params.seed
+    stream = InferInput("stream", [1], "BOOL")
+    stream.set_data_from_numpy(np.array([True], dtype=bool))
+    inputs = [_bytes_input("text_input", params.prompt), stream, _bytes_input("sampling_parameters", json.dumps(sampling))]
+    if params.messages:
+        messages = [{"role": role, "content": content} for role, content in params.messages]
+        inputs.append(_bytes_input("messages", json.dumps(messages)))
+    return inputs
+
+
+def _first_str(result: Any, name: str) -> str:
+    array = result.as_numpy(name)
+    if array is None or array.size == 0:
+        return ""
+    value = array.reshape(-1)[0]
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _first_int(result: Any, name: str) -> int:
+    array = result.as_numpy(name)
+    return int(array.reshape(-1)[0]) if array is not None and array.size else 0
+
+
+class TritonGeneration(Generation):
+    """One decoupled ``stream_infer`` call; cancelling it cancels the Triton request."""
+
+    def __init__(self, client: triton_aio.InferenceServerClient, params: GenerationParams) -> None:
+        self._client = client
+        self._params = params
+        self._call: Any = None
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        """Cancel the gRPC call: Triton marks the request cancelled, the model stops."""
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[Delta | Finished]:  # type: ignore[override]
+        """Deltas as Triton streams them, then Finished (or BackendError)."""
+        params = self._params
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": params.model, "inputs": build_inputs(params), "request_id": params.request_id}
+
+        completion_tokens = 0
+        if self._cancelled:
+            yield Finished("cancelled", 0, 0)
+            return
+        self._call = self._client.stream_infer(requests(), stream_timeout=params.timeout_s)
+        try:
+            async for result, error in self._call:
+                if error is not None:
+                    raise error
+                text = _first_str(result, "text_output")
+                tokens = _first_int(result, "num_output_tokens")
+                final = result.get_response().parameters["triton_final_response"].bool_param
+                if not final:
+                    completion_tokens += tokens
+                    if text:
+                        yield Delta(text, tokens)
+                    continue
+                finish = _first_str(result, "finish_reason") or "stop"
+                if text:  # non-streaming backends put everything in the final response
+                    yield Delta(text, tokens - completion_tokens if tokens > completion_tokens else 0)
+                yield Finished(finish, _first_int(result, "num_input_tokens"), max(tokens, completion_tokens))
+                return
+        except InferenceServerException as exc:
+            if self._cancelled:
+                yield Finished("cancelled", 0, completion_tokens)
+                return
+            message = exc.message() or str(exc)
+            raise BackendError(classify_backend_message(message), f"Triton: {message}") from exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._cancelled and task is not None and task.cancelling() == 0:
+                yield Finished("cancelled", 0, completion_tokens)
+                return
+            raise
+        if self._cancelled:
+            yield Finished("cancelled", 0, completion_tokens)
+            return
+        raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, "Triton closed the stream before the final response")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TritonBackendConfig:
+    """Where the backend's Triton is, and what to assume of external models."""
+
+    url: str | None = None
+    """An existing Triton's gRPC host:port; None starts our own (process config)."""
+    process: TritonProcessConfig | None = None
+    """How to start our own Triton (when url is None)."""
+    default_max_context: int = 4096
+    """Context per request for models whose config does not say (n_ctx/n_parallel)."""
+    default_slots: int = 4
+    """Concurrent generations for models whose config does not say (n_parallel)."""
+
+
+class TritonBackend(Backend):
+    """Generations through Triton; starts its own server unless given a URL."""
+
+    def __init__(self, config: TritonBackendConfig) -> None:
+        if config.url is None and config.process is None:
+            raise ValueError("TritonBackend needs a url or a process config")
+        self.config = config
+        self.process = TritonProcess(config.process) if config.url is None and config.process else None
+        self._client: triton_aio.InferenceServerClient | None = None
+        self._models: list[ModelSpec] = []
+
+    @property
+    def endpoint(self) -> str:
+        """Triton's gRPC host:port."""
+        return self.process.url if self.process else (self.config.url or "")
+
+    async def start(self) -> None:
+        """Start (or reach) Triton and wait until every model is READY."""
+        if self.process is not None:
+            await self.process.start()
+        self._client = triton_aio.InferenceServerClient(self.endpoint)
+        timeout = self.config.process.start_timeout_s if self.config.process else 60.0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if self.process is not None and self.process.exited():
+                raise RuntimeError(f"tritonserver exited during start:\n{self.process.log_tail()}")
+            with contextlib.suppress(InferenceServerException):
+                if await self._load_models():
+                    return
+            if loop.time() > deadline:
+                tail = self.process.log_tail() if self.process else ""
+                raise RuntimeError(f"Triton at {self.endpoint} had no READY model after {timeout:.0f} s\n{tail}")
+            await asyncio.sleep(0.25)
+
+    async def _load_models(self) -> bool:
+        assert self._client is not None
+        index = await self._client.get_model_repository_index(as_json=True, client_timeout=5)
+        entries = index.get("models", [])
+        if not entries or any(entry.get("state") not in ("READY", "UNAVAILABLE") for entry in entries):
+            return False  # still loading
+        ready = [entry["name"] for entry in entries if entry.get("state") == "READY"]
+        if not ready:
+            failed = "; ".join(f"{e['name']}: {e.get('reason', '')}" for e in entries)
+            raise RuntimeError(f"no model loaded: {failed}")
+        specs = []
+        for name in sorted(ready):
+            config = (await self._client.get_model_config(name, as_json=True, client_timeout=5))["config"]
+            parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+            slots = int(parameters.get("n_parallel") or self.config.default_slots)
+            n_ctx = parameters.get("n_ctx")
+            max_context = int(n_ctx) // slots if n_ctx else self.config.default_max_context
+            specs.append(ModelSpec(name=name, max_context=max_context, slots=slots))
+        self._models = specs
+        return True
+
+    async def ready(self) -> bool:
+        """True when Triton answers and every model is READY."""
+        if self._client is None or (self.process is not None and self.process.exited()):
+            return False
+        try:
+            for spec in self._models:
+                if not await self._client.is_model_ready(spec.name, client_timeout=2):
+                    return False
+        except InferenceServerException:
+            return False
+        return True
+
+    def models(self) -> list[ModelSpec]:
+        """Models found READY at start."""
+        return list(self._models)
+
+    def generate(self, params: GenerationParams) -> Generation:
+        """A streaming generation on Triton."""
+        if self._client is None:
+            raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, "Triton backend is not started")
+        return TritonGeneration(self._client, params)
+
+    async def stop(self) -> None:
+        """Close the client and stop our Triton (if we started it)."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            with contextlib.suppress(Exception):
+                await client.close()
+        if self.process is not None:
+            await self.process.stop()
