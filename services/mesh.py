@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from tokenmesh.config import check
-from tokenmesh.process import die_with_parent, stop_process
+from tokenmesh.process import dies_with_parent, stop_process
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,12 +107,11 @@ class Mesh:
             out = log_file
         cmd = [sys.executable, "-m", "tokenmesh", service, "--ready-file", str(ready), *args]
         proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-            cmd,
+            dies_with_parent(cmd),  # no child outlives `up`, even a SIGKILLed one
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT if out is not None else None,
             env={**os.environ, **self.config.extra_env},
-            preexec_fn=die_with_parent,  # noqa: PLW1509 - needed so no child outlives `up`
         )
         return Child(name, proc, ready, log_path)
 

@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
-import ctypes
-import signal
+import os
 import subprocess
+import sys
+
+# Runs in the child: ask the kernel for SIGKILL when the parent dies (even by
+# SIGKILL), give up if it already has, then become the real program (same PID).
+# A trampoline rather than preexec_fn: forking a process that has gRPC threads
+# and running Python in the child before exec crashed tritonserver at start
+# ("epoll_wait error: Bad file descriptor") in about one start out of four.
+_TRAMPOLINE = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)\n"  # 1 = PR_SET_PDEATHSIG
+    "os.getppid() == int(sys.argv[1]) or os._exit(70)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
-def die_with_parent() -> None:
-    """In a child (preexec_fn): get SIGKILL when the parent dies, even by SIGKILL."""
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+def dies_with_parent(argv: list[str]) -> list[str]:
+    """argv wrapped so the program gets SIGKILL when this process dies."""
+    return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *argv]
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
     """SIGTERM, wait up to timeout_s, then SIGKILL; return the exit code."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        proc.terminate()
         try:
             return proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

@@ -160,6 +160,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):  # type: ignore[m
         call = stub.Generate(timeout=context.time_remaining())
         live.call = call
         seq = 0
+        relayed_tokens = 0
         try:
             await call.write(worker_pb2.WorkerCommand(start=forward))
             if live.cancel_requested:
@@ -168,6 +169,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):  # type: ignore[m
                 kind = event.WhichOneof("event")
                 seq += 1
                 if kind == "chunk":
+                    relayed_tokens += event.chunk.token_count
                     yield inference_pb2.GenerateChunk(
                         request_id=forward.request_id,
                         seq=seq,
@@ -180,6 +182,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):  # type: ignore[m
                     yield inference_pb2.GenerateChunk(
                         request_id=forward.request_id,
                         seq=seq,
+                        # Tokens that produced no text (the end-of-turn token), so
+                        # that token counts always add up to usage.completion_tokens.
+                        token_count=max(0, event.end.usage.completion_tokens - relayed_tokens),
                         finish_reason=event.end.finish_reason,
                         usage=event.end.usage,
                         model=forward.model,

@@ -36,6 +36,8 @@ class GenerationParams:
     top_p: float | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False
+    """Generate until max_tokens or a stop sequence, past end-of-text."""
     request_id: str = ""
     timeout_s: float | None = None
     """Time left before the caller's deadline."""

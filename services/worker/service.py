@@ -42,7 +42,7 @@ class WorkerConfig:
     slots: int = setting(0, "concurrent generations per model (config.pbtxt n_parallel); 0 keeps the model's value")
     work_dir: str = setting("", "folder for Triton's files and log; empty = a new temporary folder")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
-    ready_file: str = setting("", "write {address, triton_url, pid} as JSON here once SERVING")
+    ready_file: str = setting("", "write {address, triton_url, pid, triton_pid} as JSON here once SERVING")
 
     def __post_init__(self) -> None:
         """Validate ranges."""
@@ -103,6 +103,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
             top_p=req.top_p if req.HasField("top_p") else None,
             stop=tuple(req.stop),
             seed=req.seed if req.HasField("seed") else None,
+            ignore_eos=req.ignore_eos,
             request_id=req.request_id,
             timeout_s=context.time_remaining(),
             labels=dict(req.labels),
@@ -235,8 +236,13 @@ class Worker:
         await self.host.set_serving(True)
         self._monitor = asyncio.create_task(self._watch_backend())
         log.info("worker SERVING on %s (Triton %s)", self.host.address, self.backend.endpoint)
+        process = getattr(self.backend, "process", None)
         write_ready_file(
-            self.config.ready_file, address=self.host.address, triton_url=self.backend.endpoint, pid=os.getpid()
+            self.config.ready_file,
+            address=self.host.address,
+            triton_url=self.backend.endpoint,
+            pid=os.getpid(),
+            triton_pid=process.pid if process else None,
         )
 
     async def _warm_up(self) -> None:

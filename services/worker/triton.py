@@ -31,7 +31,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from tokenmesh.errors import classify_backend_message
-from tokenmesh.process import die_with_parent
+from tokenmesh.process import dies_with_parent
 from tokenmesh.v1 import worker_pb2
 from tokenmesh.worker.backend import (
     Backend,
@@ -166,13 +166,12 @@ class TritonProcess:
         log_file = self.log_path.open("ab")
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *args,
+                *dies_with_parent(args),  # Triton must not outlive its worker, even a SIGKILLed one
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
                 stdin=asyncio.subprocess.DEVNULL,
                 env=self._environment(),
                 cwd=cfg.work_dir,
-                preexec_fn=die_with_parent,  # Triton must not outlive its worker, even a SIGKILLed one
             )
         finally:
             log_file.close()
@@ -226,6 +225,8 @@ def build_inputs(params: GenerationParams) -> list[InferInput]:
         sampling["stop"] = list(params.stop)
     if params.seed is not None:
         sampling["seed"] = params.seed
+    if params.ignore_eos:
+        sampling["ignore_eos"] = True
     stream = InferInput("stream", [1], "BOOL")
     stream.set_data_from_numpy(np.array([True], dtype=bool))
     inputs = [_bytes_input("text_input", params.prompt), stream, _bytes_input("sampling_parameters", json.dumps(sampling))]

@@ -31,6 +31,7 @@ _SAMPLING_KEYS = {
     "top_k": "top_k",
     "stop": "stop",
     "seed": "seed",
+    "ignore_eos": "ignore_eos",
 }
 
 

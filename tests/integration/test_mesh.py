@@ -1,0 +1,165 @@
+"""The embedded mesh end to end: real Triton, SmolLM2, workers, prober and router."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+
+from .conftest import MeshHandle, cpu_seconds, descendants, grpcurl, json_stream
+
+pytestmark = pytest.mark.integration
+
+FRANCE = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
+
+
+def generate(handle: MeshHandle, timeout: float = 120, **fields) -> list[inference_pb2.GenerateChunk]:
+    return list(handle.inference.Generate(inference_pb2.GenerateRequest(**fields), timeout=timeout))
+
+
+def test_grpcurl_lists_every_service(mesh: MeshHandle) -> None:
+    result = grpcurl(mesh.address, "list")
+    assert result.returncode == 0, result.stderr
+    services = set(result.stdout.split())
+    assert {"tokenmesh.v1.Inference", "tokenmesh.v1.Router", "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection"} <= services
+    described = grpcurl(mesh.address, "describe", "tokenmesh.v1.Inference.Generate")
+    assert "returns ( stream .tokenmesh.v1.GenerateChunk )" in described.stdout, described.stderr
+
+
+def test_grpcurl_generate_streams_paris_with_seq_and_final_chunk(mesh: MeshHandle) -> None:
+    result = grpcurl("-d", json.dumps(FRANCE), mesh.address, "tokenmesh.v1.Inference/Generate")
+    assert result.returncode == 0, result.stderr
+    chunks = json_stream(result.stdout)
+    assert [int(c["seq"]) for c in chunks] == list(range(1, len(chunks) + 1))
+    assert len(chunks) >= 3
+    assert "Paris" in "".join(c.get("text", "") for c in chunks)
+    assert all("finish_reason" not in c for c in chunks[:-1])
+    final = chunks[-1]
+    assert final["finish_reason"] == "FINISH_REASON_STOP"
+    assert final["usage"]["prompt_tokens"] > 0
+    assert final["usage"]["completion_tokens"] == sum(c.get("token_count", 0) for c in chunks)
+
+
+def test_eight_sequential_generations_use_both_workers(mesh: MeshHandle) -> None:
+    before = {w.address: w.served_total for w in mesh.table().workers}
+    for i in range(8):
+        chunks = generate(mesh, prompt=f"Count to {i}:", max_tokens=4, seed=i)
+        assert chunks[-1].finish_reason in (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH)
+    after = {w.address: w.served_total for w in mesh.table().workers}
+    served = [after[a] - before[a] for a in after]
+    assert sum(served) == 8
+    assert min(served) >= 2, served
+
+
+def wait_idle(mesh: MeshHandle, timeout: float = 5) -> None:
+    """Until the prober reports every worker SERVING with all slots free (weight 1)."""
+    deadline = time.monotonic() + timeout
+    while not all(w.weight == 1.0 and w.state == router_pb2.WORKER_STATE_SERVING for w in mesh.table().workers):
+        assert time.monotonic() < deadline, mesh.table()
+        time.sleep(0.05)
+
+
+def test_bad_input_is_refused_precisely_while_a_stream_runs(mesh: MeshHandle) -> None:
+    wait_idle(mesh)
+    long_result: list[inference_pb2.GenerateChunk] = []
+    long_call = mesh.inference.Generate(
+        inference_pb2.GenerateRequest(prompt="Write a long story about a dragon.", max_tokens=300, ignore_eos=True,
+                                      request_id="live-1"),
+        timeout=120,
+    )
+    long_stream = threading.Thread(target=lambda: long_result.extend(long_call))
+    long_stream.start()
+    deadline = time.monotonic() + 30
+    while "live-1" not in {c.request_id for c in long_result} and time.monotonic() < deadline:
+        time.sleep(0.05)  # wait until it streams (and so is live)
+    cases = [
+        ({"prompt": "x", "request_id": "live-1"}, grpc.StatusCode.ALREADY_EXISTS, "live already"),
+        ({}, grpc.StatusCode.INVALID_ARGUMENT, "set prompt, or messages"),
+        ({"prompt": "x", "max_tokens": 0}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be 1.."),
+        ({"prompt": "x", "max_tokens": 100_000}, grpc.StatusCode.INVALID_ARGUMENT, "context size"),
+        ({"prompt": "x", "temperature": -1.0}, grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0"),
+        ({"prompt": "x", "model": "gpt-17"}, grpc.StatusCode.NOT_FOUND, "unknown model 'gpt-17'"),
+        ({"prompt": "x" * (1024 * 1024 + 10)}, grpc.StatusCode.INVALID_ARGUMENT, "limit is 1048576 bytes"),
+        # Longer than the model's context: refused by llama.cpp, classified as a caller error.
+        ({"prompt": "word " * 3000, "max_tokens": 8}, grpc.StatusCode.INVALID_ARGUMENT, "context size"),
+    ]
+    for fields, code, needle in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            generate(mesh, **fields)
+            pytest.fail(f"no error for {list(fields)}")
+        assert info.value.code() == code, (list(fields), info.value.details())
+        assert needle in info.value.details()
+    long_stream.join(120)
+    assert [c.seq for c in long_result] == list(range(1, len(long_result) + 1))
+    assert long_result[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+    assert long_result[-1].usage.completion_tokens == 300
+    # Caller errors never count against a worker: once the long stream is done
+    # every worker is back to full weight (in-flight load moves weights meanwhile).
+    wait_idle(mesh, timeout=3)
+
+
+def test_caller_cancel_stops_the_triton_request(mesh: MeshHandle) -> None:
+    call = mesh.inference.Generate(
+        inference_pb2.GenerateRequest(prompt="Tell me a very long story.", max_tokens=1500, ignore_eos=True),
+        timeout=120
+    )
+    first = next(call)
+    table = mesh.table()
+    busy = [w for w in table.workers if w.in_flight == 1]
+    assert len(busy) == 1 and first.seq == 1
+    worker = next(w for w in mesh.mesh.workers if w.address == busy[0].address)
+    triton_tree = descendants(int(worker.info["triton_pid"]))
+    call.cancel()
+    time.sleep(1.0)  # let the cancel travel router -> worker -> Triton -> model
+    used_before = cpu_seconds(triton_tree)
+    time.sleep(2.0)
+    idle_share = (cpu_seconds(triton_tree) - used_before) / 2.0
+    # A slot still generating would keep about a core busy for ~10 more seconds.
+    assert idle_share < 0.25, f"Triton still busy after cancel: {idle_share:.2f} cores"
+    assert all(w.in_flight == 0 for w in mesh.table().workers)
+    with grpc.insecure_channel(worker.address) as channel:
+        stats = worker_pb2_grpc.WorkerStub(channel).Stats(iter([worker_pb2.StatsPing(ping_id=1)]), timeout=5)
+        assert next(stats).in_flight == 0
+
+
+def test_cli_generate_status_and_models(mesh: MeshHandle) -> None:
+    cli = [sys.executable, "-m", "tokenmesh"]
+    out = subprocess.run([*cli, "generate", "--chat", "What is the capital of France?", "--temperature", "0",
+                          "--addr", mesh.address], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout and "FINISH_REASON_STOP" in out.stderr
+    status = subprocess.run([*cli, "status", "--addr", mesh.address], capture_output=True, text=True, timeout=30)
+    assert status.returncode == 0 and status.stdout.count("SERVING") == 2, status.stdout
+    models = subprocess.run([*cli, "models", "--addr", mesh.address], capture_output=True, text=True, timeout=30)
+    assert "smollm2 (default)" in models.stdout
+    bad = subprocess.run([*cli, "generate", "", "--addr", mesh.address], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_worker_over_an_existing_triton(mesh: MeshHandle) -> None:
+    """The Kubernetes sidecar case: a worker given --triton-url starts no Triton of its own."""
+    triton_url = str(mesh.mesh.workers[0].info["triton_url"])
+    child = mesh.mesh.spawn("sidecar-worker", "worker", "--port", "0", "--triton-url", triton_url)
+    try:
+        mesh.mesh.wait_ready([child])
+        assert child.info["triton_pid"] is None and child.info["triton_url"] == triton_url
+        with grpc.insecure_channel(child.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            described = stub.Describe(worker_pb2.DescribeRequest(), timeout=5)
+            assert [m.name for m in described.models] == ["smollm2"]
+            start = worker_pb2.WorkerCommand(start=inference_pb2.GenerateRequest(prompt="Hello", max_tokens=3))
+            events = list(stub.Generate(iter([start]), timeout=60))
+        assert events[-1].WhichOneof("event") == "end"
+        assert events[-1].end.usage.completion_tokens == 3
+        assert all(e.WhichOneof("event") == "chunk" for e in events[:-1])
+    finally:
+        child.proc.terminate()
+        child.proc.wait(30)

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from tokenmesh.router.service import Router, RouterConfig
+from tokenmesh.v1 import inference_pb2_grpc, router_pb2_grpc
+from tokenmesh.worker.service import Worker, WorkerConfig
+
+from .fakes import FakeBackend
+
+
+@dataclass
+class InProcessMesh:
+    router: Router
+    workers: list[Worker]
+    backends: list[FakeBackend]
+    channel: grpc.aio.Channel
+
+    @property
+    def inference(self) -> inference_pb2_grpc.InferenceStub:
+        return inference_pb2_grpc.InferenceStub(self.channel)
+
+    @property
+    def operator(self) -> router_pb2_grpc.RouterStub:
+        return router_pb2_grpc.RouterStub(self.channel)
+
+
+async def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[InProcessMesh]:
+    """Two workers over FakeBackend and a router (no prober: even split over healthy workers)."""
+    backends = [FakeBackend(), FakeBackend()]
+    workers = [Worker(WorkerConfig(port=0, drain_grace_s=1), backend=b) for b in backends]
+    for w in workers:
+        await w.start()
+    router = Router(RouterConfig(port=0, workers=tuple(w.host.address for w in workers), drain_grace_s=1))
+    await router.start()
+    channel = grpc.aio.insecure_channel(router.host.address)
+    try:
+        await wait_until(lambda: all(e.healthy and e.models for e in router.pool.entries.values()))
+        yield InProcessMesh(router, workers, backends, channel)
+    finally:
+        await channel.close()
+        await router.stop()
+        for w in workers:
+            await w.stop()

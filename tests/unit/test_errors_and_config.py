@@ -1,0 +1,68 @@
+"""Error classification and configuration."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tokenmesh.config import ConfigError, add_arguments, from_namespace
+from tokenmesh.errors import classify_backend_message
+from tokenmesh.router.service import RouterConfig
+from tokenmesh.v1 import worker_pb2
+from tokenmesh.worker.service import WorkerConfig
+
+
+@pytest.mark.parametrize(
+    ("message", "error_class"),
+    [
+        # llama.cpp server
+        ("request (401 tokens) exceeds the available context size (256 tokens), try increasing it",
+         worker_pb2.ERROR_CLASS_INVALID_REQUEST),
+        # vLLM
+        ("This model's maximum context length is 2048 tokens. However, you requested 4000 tokens",
+         worker_pb2.ERROR_CLASS_INVALID_REQUEST),
+        ("CUDA out of memory. Tried to allocate 2.00 GiB", worker_pb2.ERROR_CLASS_OUT_OF_MEMORY),
+        ("Request for unknown model: 'x' has no available versions", worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND),
+        ("Deadline Exceeded", worker_pb2.ERROR_CLASS_TIMEOUT),
+        ("Stub process 'smollm2_0_0' is not healthy.", worker_pb2.ERROR_CLASS_UNAVAILABLE),
+        ("something nobody has seen", worker_pb2.ERROR_CLASS_BACKEND),
+    ],
+)
+def test_backend_messages_are_classified(message: str, error_class: int) -> None:
+    assert classify_backend_message(message) == error_class
+
+
+def parse(cls, service: str, argv: list[str]):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, cls, service)
+    return from_namespace(cls, parser.parse_args(argv))
+
+
+def test_flags_override_env_which_overrides_defaults(monkeypatch) -> None:
+    monkeypatch.setenv("TOKENMESH_ROUTER_PORT", "6000")
+    monkeypatch.setenv("TOKENMESH_ROUTER_WORKERS", "a:1, b:2")
+    config = parse(RouterConfig, "router", [])
+    assert (config.port, config.workers) == (6000, ("a:1", "b:2"))
+    assert parse(RouterConfig, "router", ["--port", "7000"]).port == 7000
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "needle"),
+    [
+        (RouterConfig, {"port": 70000}, "port must be 0..65535"),
+        (RouterConfig, {"workers": ("nocolon",)}, "must be host:port"),
+        (RouterConfig, {"default_max_tokens": 0}, "default_max_tokens"),
+        (WorkerConfig, {"threads": -1}, "threads must be >= 0"),
+        (WorkerConfig, {"model_repository": "/does/not/exist"}, "is not a folder"),
+    ],
+)
+def test_invalid_settings_say_what_to_change(cls, kwargs, needle) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        cls(**kwargs)
+
+
+def test_bad_env_value_is_a_config_error(monkeypatch) -> None:
+    monkeypatch.setenv("TOKENMESH_ROUTER_PORT", "many")
+    with pytest.raises(ConfigError, match="TOKENMESH_ROUTER_PORT"):
+        parse(RouterConfig, "router", [])

@@ -1,0 +1,109 @@
+"""Worker pool picking and the prober's weight function."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from tokenmesh.errors import NotFound, Unavailable
+from tokenmesh.prober.prober import MIN_WEIGHT, WorkerView, compute_weight
+from tokenmesh.router.pool import WorkerPool
+from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
+
+
+def pool_with(*addresses: str, model: str = "m") -> WorkerPool:
+    pool = WorkerPool(random.Random(7))
+    for address in addresses:
+        entry = pool.add(address)
+        entry.healthy = True
+        entry.models = {model: inference_pb2.ModelInfo(name=model, max_context=100, is_default=True)}
+    return pool
+
+
+def table(version: int, **weights: float) -> router_pb2.WeightTable:
+    return router_pb2.WeightTable(
+        version=version,
+        workers=[router_pb2.WorkerWeight(address=a.replace("_", ":"), weight=w) for a, w in weights.items()],
+    )
+
+
+def test_without_a_table_healthy_workers_share_evenly() -> None:
+    pool = pool_with("a:1", "b:1")
+    picks = Counter()
+    for _ in range(10):
+        entry = pool.pick("m")
+        picks[entry.address] += 1
+        entry.served_total += 1
+    assert picks == {"a:1": 5, "b:1": 5}
+
+
+def test_zero_weight_and_unhealthy_workers_are_never_picked() -> None:
+    pool = pool_with("a:1", "b:1", "c:1")
+    assert pool.apply(table(5, a_1=0.0, b_1=1.0, c_1=1.0))
+    pool.entries["c:1"].healthy = False
+    assert {pool.pick("m").address for _ in range(50)} == {"b:1"}
+
+
+def test_load_goes_to_the_less_busy_worker() -> None:
+    pool = pool_with("a:1", "b:1")
+    pool.entries["a:1"].in_flight = 3
+    assert pool.pick("m").address == "b:1"
+
+
+def test_heavier_weight_takes_more_of_the_load() -> None:
+    pool = pool_with("a:1", "b:1", "c:1")
+    pool.apply(table(1, a_1=1.0, b_1=0.1, c_1=0.1))
+    picks = Counter()
+    for _ in range(300):
+        entry = pool.pick("m")
+        picks[entry.address] += 1
+        entry.in_flight += 1  # keep them all busy so weight matters
+    assert picks["a:1"] > picks["b:1"] + picks["c:1"]
+
+
+def test_older_tables_are_not_applied() -> None:
+    pool = pool_with("a:1")
+    assert pool.apply(table(10, a_1=0.5))
+    assert not pool.apply(table(9, a_1=1.0))
+    assert pool.entries["a:1"].weight == 0.5 and pool.version == 10
+
+
+def test_pick_errors() -> None:
+    pool = pool_with("a:1")
+    with pytest.raises(Unavailable):
+        pool.pick("m", exclude={"a:1"})
+    with pytest.raises(NotFound):
+        pool.resolve_model("other")
+    assert pool.resolve_model("").name == "m"
+    pool.entries["a:1"].healthy = False
+    with pytest.raises(Unavailable):
+        pool.resolve_model("")
+
+
+def view(**stats_fields) -> WorkerView:
+    v = WorkerView("a:1", reachable=True, serving=True, stats_at=100.0)
+    v.stats = worker_pb2.WorkerStats(**stats_fields)
+    return v
+
+
+def test_weight_is_zero_when_unreachable_or_not_serving() -> None:
+    unreachable = WorkerView("a:1", reachable=False, error="health UNAVAILABLE")
+    w = compute_weight(unreachable, 100.0, 1.0)
+    assert (w.weight, w.state) == (0.0, router_pb2.WORKER_STATE_UNREACHABLE)
+    not_serving = view(concurrency_limit=4)
+    not_serving.serving = False
+    w = compute_weight(not_serving, 100.0, 1.0)
+    assert (w.weight, w.state) == (0.0, router_pb2.WORKER_STATE_NOT_SERVING)
+
+
+def test_weight_follows_free_capacity() -> None:
+    assert compute_weight(view(concurrency_limit=4, in_flight=0), 100.0, 1.0).weight == 1.0
+    assert compute_weight(view(concurrency_limit=4, in_flight=1), 100.0, 1.0).weight == 0.75
+    assert compute_weight(view(concurrency_limit=4, in_flight=9), 100.0, 1.0).weight == MIN_WEIGHT
+
+
+def test_stale_stats_count_as_saturated() -> None:
+    w = compute_weight(view(concurrency_limit=4, in_flight=0), 102.0, 1.0)
+    assert w.weight == MIN_WEIGHT and "stale" in w.reason

@@ -1,0 +1,39 @@
+"""Prober against real worker and router servers (workers over the in-memory backend)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tokenmesh.prober.prober import Prober, ProberConfig
+from tokenmesh.v1 import router_pb2
+
+from .conftest import InProcessMesh, wait_until
+
+
+async def test_tables_reach_the_router_and_are_acked(mesh: InProcessMesh) -> None:
+    addresses = tuple(w.host.address for w in mesh.workers)
+    prober = Prober(ProberConfig(port=0, workers=addresses, routers=(mesh.router.host.address,), interval_s=0.05))
+    await prober.start()
+    try:
+        pool = mesh.router.pool
+        await wait_until(lambda: pool.version and all(pool.entries[a].weight == 1.0 for a in addresses))
+        link = prober.routers[mesh.router.host.address]
+        await wait_until(lambda: link.acked_version == prober.table.version)
+        assert pool.version == prober.table.version
+
+        # A worker that stops serving gets weight 0 at once (health Watch), well within 2 s.
+        down = mesh.workers[0]
+        started = time.monotonic()
+        down.servicer.serving = False
+        await down.host.set_serving(False)
+        await wait_until(lambda: pool.entries[down.host.address].weight == 0.0, timeout=2)
+        assert time.monotonic() - started < 2
+        assert pool.entries[down.host.address].state == router_pb2.WORKER_STATE_NOT_SERVING
+
+        # An unchanged table is not pushed again.
+        version = prober.table.version
+        await asyncio.sleep(0.3)
+        assert prober.table.version == version
+    finally:
+        await prober.stop()
