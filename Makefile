@@ -36,7 +36,8 @@ test-integration: $(STAMP) ## run the integration tests only (real Triton, worke
 
 lint: $(STAMP) ## ruff and mypy (strict) on hand-written code
 	$(BIN)/ruff check services tests scripts benchmarks
-	$(BIN)/mypy services
+	mkdir -p build/typecheck && ln -sfn ../../services build/typecheck/tokenmesh
+	MYPYPATH=build/typecheck $(BIN)/mypy -p tokenmesh
 
 proto: $(STAMP) ## regenerate services/v1 from protos/
 	$(BIN)/python scripts/gen_protos.py

@@ -111,25 +111,27 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"starting {args.workers} workers (Triton + SmolLM2, {mesh.threads_per_worker} threads each)...",
-          file=sys.stderr)  # noqa: T201
+          file=sys.stderr)
     try:
         mesh.start()
     except MeshStartError as exc:
-        print(f"error: {exc}", file=sys.stderr)  # noqa: T201
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     lines = [f"router   {mesh.router.address if mesh.router else '?'}   (tokenmesh.v1.Inference, Router, Control)"]
-    lines += [f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}" for w in mesh.workers]
+    lines += [
+        f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}" for w in mesh.workers
+    ]
     lines.append(f"prober   {mesh.prober.address if mesh.prober else '?'}")
-    print("tokenmesh is up:\n  " + "\n  ".join(lines) + "\nCtrl-C stops everything.", flush=True)  # noqa: T201
+    print("tokenmesh is up:\n  " + "\n  ".join(lines) + "\nCtrl-C stops everything.", flush=True)
     try:
         while not stop:
             for child in mesh.children():
                 if child.proc.poll() is not None:
-                    print(f"{child.name} exited with {child.proc.returncode}; stopping", file=sys.stderr)  # noqa: T201
+                    print(f"{child.name} exited with {child.proc.returncode}; stopping", file=sys.stderr)
                     stop = True
             time.sleep(0.2)
     finally:
-        print("stopping...", file=sys.stderr)  # noqa: T201
+        print("stopping...", file=sys.stderr)
         mesh.stop()
     return 0
 
@@ -156,10 +158,10 @@ async def _generate(args: argparse.Namespace) -> int:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             if args.verbose:
-                print(f"\n[seq {chunk.seq} tokens {chunk.token_count}]", file=sys.stderr)  # noqa: T201
+                print(f"\n[seq {chunk.seq} tokens {chunk.token_count}]", file=sys.stderr)
             if chunk.finish_reason:
                 reason = inference_pb2.FinishReason.Name(chunk.finish_reason)
-                print(  # noqa: T201
+                print(
                     f"\n[{reason}; prompt {chunk.usage.prompt_tokens} tokens, "
                     f"completion {chunk.usage.completion_tokens} tokens; request_id {chunk.request_id}]",
                     file=sys.stderr,
@@ -171,13 +173,14 @@ async def _status(args: argparse.Namespace) -> int:
     from tokenmesh.v1 import router_pb2, router_pb2_grpc
 
     async with grpc.aio.insecure_channel(args.addr) as channel:
-        table = await router_pb2_grpc.RouterStub(channel).GetRoutingTable(router_pb2.GetRoutingTableRequest(), timeout=5)
+        stub = router_pb2_grpc.RouterStub(channel)
+        table = await stub.GetRoutingTable(router_pb2.GetRoutingTableRequest(), timeout=5)
     arrived = table.received_at.ToDatetime().isoformat() + "Z" if table.version else "-"
-    print(f"weight table version {table.version or 'none (even split over healthy workers)'}, arrived {arrived}")  # noqa: T201
-    print(f"{'ADDRESS':22} {'WEIGHT':>6} {'STATE':14} {'IN_FLIGHT':>9} {'SERVED':>7}  REASON")  # noqa: T201
+    print(f"weight table version {table.version or 'none (even split over healthy workers)'}, arrived {arrived}")
+    print(f"{'ADDRESS':22} {'WEIGHT':>6} {'STATE':14} {'IN_FLIGHT':>9} {'SERVED':>7}  REASON")
     for w in table.workers:
         state = router_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_")
-        print(f"{w.address:22} {w.weight:6.2f} {state:14} {w.in_flight:9d} {w.served_total:7d}  {w.reason}")  # noqa: T201
+        print(f"{w.address:22} {w.weight:6.2f} {state:14} {w.in_flight:9d} {w.served_total:7d}  {w.reason}")
     return 0
 
 
@@ -189,7 +192,7 @@ async def _models(args: argparse.Namespace) -> int:
         response = await stub.ListModels(inference_pb2.ListModelsRequest(), timeout=5)
     for m in response.models:
         default = " (default)" if m.is_default else ""
-        print(f"{m.name}{default}  context {m.max_context} tokens  on {m.workers} worker(s)")  # noqa: T201
+        print(f"{m.name}{default}  context {m.max_context} tokens  on {m.workers} worker(s)")
     return 0
 
 
@@ -199,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser()
         args = parser.parse_args(argv)
     except ConfigError as exc:
-        print(f"tokenmesh: error: {exc}", file=sys.stderr)  # noqa: T201
+        print(f"tokenmesh: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
@@ -213,10 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler = {"generate": _generate, "status": _status, "models": _models}[args.command]
         return asyncio.run(handler(args))
     except ConfigError as exc:
-        print(f"tokenmesh {args.command}: error: {exc}", file=sys.stderr)  # noqa: T201
+        print(f"tokenmesh {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except grpc.aio.AioRpcError as exc:
-        print(f"tokenmesh {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)  # noqa: T201
+        print(f"tokenmesh {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

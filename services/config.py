@@ -41,14 +41,16 @@ def env_name(service: str, field: str) -> str:
 
 
 def _parser_for(field: dataclasses.Field[Any]) -> Callable[[str], Any]:
-    parse = field.metadata.get("parse")
+    parse: Callable[[str], Any] | None = field.metadata.get("parse")
     if parse is not None:
-        return parse  # type: ignore[no-any-return]
-    kind = type(field.default)
-    if kind is bool:
+        return parse
+    default: object = field.default
+    if isinstance(default, bool):
         return lambda v: v.strip().lower() in {"1", "true", "yes", "on"}
-    if kind in (int, float):
-        return kind  # type: ignore[no-any-return]
+    if isinstance(default, int):
+        return int
+    if isinstance(default, float):
+        return float
     return str
 
 

@@ -77,7 +77,7 @@ class Internal(MeshError):
     """A failure inside the mesh or its backend."""
 
 
-ERROR_CLASS_TO_EXCEPTION: dict[int, type[MeshError]] = {
+ERROR_CLASS_TO_EXCEPTION: dict[worker_pb2.ErrorClass, type[MeshError]] = {
     worker_pb2.ERROR_CLASS_INVALID_REQUEST: InvalidArgument,
     worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND: NotFound,
     worker_pb2.ERROR_CLASS_UNAVAILABLE: Unavailable,
@@ -91,7 +91,7 @@ CALLER_ERROR_CLASSES = frozenset({worker_pb2.ERROR_CLASS_INVALID_REQUEST, worker
 
 # (pattern, class) in priority order, matched against backend error text. The
 # texts are what Triton, its Python backend, vLLM and llama.cpp actually send.
-_BACKEND_PATTERNS: tuple[tuple[re.Pattern[str], int], ...] = tuple(
+_BACKEND_PATTERNS: tuple[tuple[re.Pattern[str], worker_pb2.ErrorClass], ...] = tuple(
     (re.compile(p, re.IGNORECASE), c)
     for p, c in (
         (r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|OOM", worker_pb2.ERROR_CLASS_OUT_OF_MEMORY),
@@ -100,12 +100,13 @@ _BACKEND_PATTERNS: tuple[tuple[re.Pattern[str], int], ...] = tuple(
          worker_pb2.ERROR_CLASS_INVALID_REQUEST),
         (r"unknown model|has no available versions", worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND),
         (r"deadline exceeded|timed out|timeout", worker_pb2.ERROR_CLASS_TIMEOUT),
-        (r"not ready|unavailable|connect|socket closed|stub process .* is not healthy", worker_pb2.ERROR_CLASS_UNAVAILABLE),
+        (r"not ready|unavailable|connect|socket closed|stub process .* is not healthy",
+         worker_pb2.ERROR_CLASS_UNAVAILABLE),
     )
 )
 
 
-def classify_backend_message(message: str) -> int:
+def classify_backend_message(message: str) -> worker_pb2.ErrorClass:
     """Return the ``ErrorClass`` for a backend's error text (BACKEND when unknown)."""
     for pattern, error_class in _BACKEND_PATTERNS:
         if pattern.search(message):
@@ -118,7 +119,7 @@ def from_generation_error(error: worker_pb2.GenerationError) -> MeshError:
     return ERROR_CLASS_TO_EXCEPTION.get(error.error_class, Internal)(error.message)
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps :class:`MeshError` raised by any handler to its gRPC status.
 
     Handlers raise; they never build statuses themselves. Works for all four
@@ -127,9 +128,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         """Wrap the handler's behaviour so MeshError becomes a status."""
         handler = await continuation(handler_call_details)
         if handler is None:
@@ -161,14 +162,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return handler
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: MeshError) -> None:
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: MeshError) -> None:
     if error.trailers:
         context.set_trailing_metadata(error.trailers)
     await context.abort(error.grpc_code, error.message)
 
 
 def _wrap_unary(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
             return await behaviour(request, context)
         except MeshError as error:
@@ -182,7 +183,7 @@ def _wrap_stream(behaviour: Callable[..., Any]) -> Callable[..., Any]:
         # Handlers that stream with `await context.write(...)` are coroutines.
         return _wrap_unary(behaviour)
 
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
             async for response in behaviour(request, context):
                 yield response

@@ -20,7 +20,7 @@ _TRAMPOLINE = (
 
 
 def dies_with_parent(argv: list[str]) -> list[str]:
-    """argv wrapped so the program gets SIGKILL when this process dies."""
+    """Argv wrapped so the program gets SIGKILL when this process dies."""
     return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *argv]
 
 

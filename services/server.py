@@ -54,7 +54,7 @@ class HealthServicer(_AsyncHealthServicer):  # type: ignore[misc]
     as long as the servicer.
     """
 
-    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:  # noqa: N802
         """Stream the status now and after every change."""
         condition = self._server_watchers[request.service]
         last = None

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -69,7 +70,7 @@ class Weight:
     """A worker's weight and why."""
 
     weight: float
-    state: int
+    state: router_pb2.WorkerState
     reason: str
 
 
@@ -229,7 +230,7 @@ class Prober:
                 call.cancel()
             await asyncio.sleep(0.25)
 
-    async def _read_acks(self, link: _RouterLink, call: grpc.aio.StreamStreamCall) -> None:
+    async def _read_acks(self, link: _RouterLink, call: grpc.aio.StreamStreamCall[Any, Any]) -> None:
         async for ack in call:
             link.connected = True
             link.acked_version = max(link.acked_version, ack.version)

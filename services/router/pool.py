@@ -26,7 +26,7 @@ class WorkerEntry:
     """The router's own health Watch says SERVING."""
     weight: float = 0.0
     """Weight from the prober's table (valid when the pool has a table)."""
-    state: int = router_pb2.WORKER_STATE_UNSPECIFIED
+    state: router_pb2.WorkerState = router_pb2.WORKER_STATE_UNSPECIFIED
     reason: str = "no health answer yet"
     triton_url: str = ""
     models: dict[str, inference_pb2.ModelInfo] = field(default_factory=dict)

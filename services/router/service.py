@@ -8,8 +8,9 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -65,7 +66,7 @@ class _Live:
     """A generation in progress on this router."""
 
     def __init__(self) -> None:
-        self.call: grpc.aio.StreamStreamCall | None = None
+        self.call: grpc.aio.StreamStreamCall[Any, Any] | None = None
         self.cancel_requested = False
 
 
@@ -73,7 +74,7 @@ class _WorkerFailed(Exception):
     """The worker could not run the generation; another worker may."""
 
 
-class InferenceServicer(inference_pb2_grpc.InferenceServicer):  # type: ignore[misc]
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """Generate, Resume, Cancel, ListModels."""
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, stubs: dict[str, worker_pb2_grpc.WorkerStub]) -> None:
@@ -109,7 +110,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):  # type: ignore[m
         return model
 
     async def Generate(  # noqa: N802 - gRPC method name
-        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         """Admit, pick a worker, relay its chunks with seq 1..N."""
         model = self._validate(request)
@@ -152,8 +153,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):  # type: ignore[m
         entry: WorkerEntry,
         forward: inference_pb2.GenerateRequest,
         live: _Live,
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[inference_pb2.GenerateChunk]:
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
         """Run forward on entry's worker; raise _WorkerFailed when the worker is at fault."""
         stub = self._stubs[entry.address]
         entry.in_flight += 1
@@ -209,14 +210,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):  # type: ignore[m
             call.cancel()  # no-op when done; tells the worker to stop when we stopped early
 
     async def Resume(  # noqa: N802 - gRPC method name
-        self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext
+        self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         """Not in this release: resume arrives with the replay buffers."""
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Resume is not implemented yet")
         yield inference_pb2.GenerateChunk()  # pragma: no cover - makes this an async generator
 
     async def Cancel(  # noqa: N802 - gRPC method name
-        self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext
+        self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> inference_pb2.CancelResponse:
         """Ask the worker to stop a live generation; its stream ends with CANCELLED."""
         live = self.live.get(request.request_id)
@@ -229,31 +230,31 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):  # type: ignore[m
         return inference_pb2.CancelResponse(cancelled=True)
 
     async def ListModels(  # noqa: N802 - gRPC method name
-        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> inference_pb2.ListModelsResponse:
         """Models of the live workers."""
         response = inference_pb2.ListModelsResponse()
-        for name, (info, count) in sorted(self._pool.models().items()):
+        for _, (info, count) in sorted(self._pool.models().items()):
             model = response.models.add()
             model.CopyFrom(info)
             model.workers = count
         return response
 
 
-class RouterServicer(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
+class RouterServicer(router_pb2_grpc.RouterServicer):
     """Operator API."""
 
     def __init__(self, pool: WorkerPool) -> None:
         self._pool = pool
 
     async def GetRoutingTable(  # noqa: N802 - gRPC method name
-        self, request: router_pb2.GetRoutingTableRequest, context: grpc.aio.ServicerContext
+        self, request: router_pb2.GetRoutingTableRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> router_pb2.RoutingTable:
         """The table in force and per-worker counters."""
         return self._pool.table()
 
 
-class ControlServicer(router_pb2_grpc.ControlServicer):  # type: ignore[misc]
+class ControlServicer(router_pb2_grpc.ControlServicer):
     """Weight tables from the prober; each version acked."""
 
     def __init__(self, pool: WorkerPool, on_new_worker: asyncio.Queue[str]) -> None:
@@ -261,7 +262,7 @@ class ControlServicer(router_pb2_grpc.ControlServicer):  # type: ignore[misc]
         self._new_workers = on_new_worker
 
     async def PushWeights(  # noqa: N802 - gRPC method name
-        self, request_iterator: AsyncIterator[router_pb2.WeightTable], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[router_pb2.WeightTable], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[router_pb2.WeightAck]:
         """Apply each newer table; ack every one."""
         async for table in request_iterator:

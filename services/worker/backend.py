@@ -10,6 +10,8 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from tokenmesh.v1 import worker_pb2
+
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
@@ -65,7 +67,7 @@ class Finished:
 class BackendError(Exception):
     """A generation failed; ``error_class`` is a ``worker_pb2.ErrorClass``."""
 
-    def __init__(self, error_class: int, message: str) -> None:
+    def __init__(self, error_class: worker_pb2.ErrorClass, message: str) -> None:
         super().__init__(message)
         self.error_class = error_class
         self.message = message

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -54,7 +55,7 @@ class WorkerConfig:
             check(Path(self.model_repository).is_dir(), f"model_repository {self.model_repository!r} is not a folder")
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Generate/Stats/Describe over a :class:`Backend`."""
 
     def __init__(self, backend: Backend, devices: DeviceReader, cuda_visible_devices: str = "") -> None:
@@ -84,7 +85,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         return sum(spec.slots for spec in self._backend.models()) or 1
 
     async def Generate(  # noqa: N802 - gRPC method name
-        self, request_iterator: AsyncIterator[worker_pb2.WorkerCommand], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[worker_pb2.WorkerCommand], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.WorkerEvent]:
         """Run one generation; a cancel command or a vanished caller stops it."""
         first = await anext(aiter(request_iterator), None)
@@ -126,7 +127,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
                     yield worker_pb2.WorkerEvent(chunk=worker_pb2.TokenChunk(text=event.text, token_count=event.tokens))
                     continue
                 self.served_total += 1
-                usage = inference_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
+                usage = inference_pb2.Usage(
+                    prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens
+                )
                 reason = FINISH_REASONS.get(event.reason, inference_pb2.FINISH_REASON_STOP)
                 yield worker_pb2.WorkerEvent(end=worker_pb2.GenerationEnd(finish_reason=reason, usage=usage))
                 return
@@ -143,7 +146,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
                 self.idle.set()
 
     async def Stats(  # noqa: N802 - gRPC method name
-        self, request_iterator: AsyncIterator[worker_pb2.StatsPing], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[worker_pb2.StatsPing], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.WorkerStats]:
         """Answer each ping with the worker's stats right now."""
         async for ping in request_iterator:
@@ -169,7 +172,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
             )
 
     async def Describe(  # noqa: N802 - gRPC method name
-        self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+        self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> worker_pb2.DescribeResponse:
         """Models served, Triton endpoint and devices."""
         models = self._backend.models()

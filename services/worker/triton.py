@@ -229,7 +229,11 @@ def build_inputs(params: GenerationParams) -> list[InferInput]:
         sampling["ignore_eos"] = True
     stream = InferInput("stream", [1], "BOOL")
     stream.set_data_from_numpy(np.array([True], dtype=bool))
-    inputs = [_bytes_input("text_input", params.prompt), stream, _bytes_input("sampling_parameters", json.dumps(sampling))]
+    inputs = [
+        _bytes_input("text_input", params.prompt),
+        stream,
+        _bytes_input("sampling_parameters", json.dumps(sampling)),
+    ]
     if params.messages:
         messages = [{"role": role, "content": content} for role, content in params.messages]
         inputs.append(_bytes_input("messages", json.dumps(messages)))
@@ -264,7 +268,7 @@ class TritonGeneration(Generation):
         if self._call is not None:
             self._call.cancel()
 
-    async def __aiter__(self) -> AsyncIterator[Delta | Finished]:  # type: ignore[override]
+    async def __aiter__(self) -> AsyncIterator[Delta | Finished]:
         """Deltas as Triton streams them, then Finished (or BackendError)."""
         params = self._params
 
