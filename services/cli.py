@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,43 +96,45 @@ def _run_service(args: argparse.Namespace) -> int:
     return 0
 
 
+class _StopRequested(Exception):
+    """SIGINT or SIGTERM arrived."""
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _StopRequested
+
+
 def _up(args: argparse.Namespace) -> int:
     from tokenmesh.mesh import Mesh, MeshConfig, MeshStartError
 
     mesh = Mesh(MeshConfig(workers=args.workers, host=args.host, port=args.port, threads=args.threads,
                            slots=args.slots, log_dir=args.log_dir))
-    stop = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
     print(f"starting {args.workers} workers (Triton + SmolLM2, {mesh.threads_per_worker} threads each)...",
           file=sys.stderr)
     try:
         mesh.start()
+        assert mesh.router is not None and mesh.prober is not None
+        lines = [f"router   {mesh.router.address}   (tokenmesh.v1.Inference, Router, Control)"]
+        lines += [f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}"
+                  for w in mesh.workers]
+        lines.append(f"prober   {mesh.prober.address}")
+        print("tokenmesh is up:\n  " + "\n  ".join(lines) + "\nCtrl-C stops everything.", flush=True)
+        reason = mesh.supervise(lambda line: print(line, file=sys.stderr))
+        print(f"{reason}; stopping", file=sys.stderr)
+        return 1
     except MeshStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    lines = [f"router   {mesh.router.address if mesh.router else '?'}   (tokenmesh.v1.Inference, Router, Control)"]
-    lines += [
-        f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}" for w in mesh.workers
-    ]
-    lines.append(f"prober   {mesh.prober.address if mesh.prober else '?'}")
-    print("tokenmesh is up:\n  " + "\n  ".join(lines) + "\nCtrl-C stops everything.", flush=True)
-    try:
-        while not stop:
-            for child in mesh.children():
-                if child.proc.poll() is not None:
-                    print(f"{child.name} exited with {child.proc.returncode}; stopping", file=sys.stderr)
-                    stop = True
-            time.sleep(0.2)
+    except _StopRequested:
+        return 0
     finally:
+        # Stopping is not interrupted by a second Ctrl-C (it ends in SIGKILL anyway).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("stopping...", file=sys.stderr)
         mesh.stop()
-    return 0
 
 
 async def _generate(args: argparse.Namespace) -> int:

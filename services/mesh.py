@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -154,6 +155,25 @@ class Mesh:
         except BaseException:
             self.stop()
             raise
+
+    def supervise(self, report: Callable[[str], None], poll_s: float = 0.2) -> str:
+        """Block while the mesh runs; return why it cannot go on.
+
+        A worker that exits is reported and the mesh goes on without it (the
+        prober sets its weight to 0). The router or prober exiting ends it.
+        """
+        reported: set[str] = set()
+        while True:
+            for child in self.children():
+                code = child.proc.poll()
+                if code is None or child.name in reported:
+                    continue
+                if child in self.workers:
+                    reported.add(child.name)
+                    report(f"{child.name} ({child.address}) exited with {code}; serving on without it")
+                else:
+                    return f"{child.name} exited with {code}"
+            time.sleep(poll_s)
 
     def children(self) -> list[Child]:
         """Every started child, router first (the order they are stopped in)."""

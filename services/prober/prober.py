@@ -194,7 +194,7 @@ class Prober:
             table = router_pb2.WeightTable(version=self._next_version, workers=workers)
             table.decided_at.GetCurrentTime()
             self.table = table
-            log.info(
+            log.debug(
                 "weights v%d: %s",
                 table.version,
                 ", ".join(f"{w.address}={w.weight:.2f}" for w in workers),

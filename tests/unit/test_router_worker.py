@@ -162,3 +162,18 @@ async def test_resume_is_explicitly_unimplemented(mesh: InProcessMesh) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         [c async for c in mesh.inference.Resume(inference_pb2.ResumeRequest(request_id="x"))]
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_deadline_travels_to_the_worker(mesh: InProcessMesh) -> None:
+    for b in mesh.backends:
+        b.delay = 0.05
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        request = inference_pb2.GenerateRequest(prompt="slow", max_tokens=500)
+        async for _ in mesh.inference.Generate(request, timeout=0.3):
+            pass
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    started = [g for b in mesh.backends for g in b.started if g.params.prompt == "slow"]
+    assert len(started) == 1
+    assert started[0].params.timeout_s is not None and 0 < started[0].params.timeout_s <= 0.3
+    await asyncio.wait_for(started[0].cancelled.wait(), 2)
+    await wait_until(lambda: all(w.servicer.in_flight == 0 for w in mesh.workers))
