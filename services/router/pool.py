@@ -32,6 +32,9 @@ class WorkerEntry:
     models: dict[str, inference_pb2.ModelInfo] = field(default_factory=dict)
     in_flight: int = 0
     served_total: int = 0
+    suspended_until: float = 0.0
+    """time.monotonic() until which this router avoids the worker (after it failed a stream)."""
+    suspended_reason: str = ""
 
 
 class WorkerPool:
@@ -52,9 +55,14 @@ class WorkerPool:
 
     def effective_weight(self, entry: WorkerEntry) -> float:
         """Weight used for picking: the table's, and 0 while our own health check fails."""
-        if not entry.healthy:
+        if not entry.healthy or entry.suspended_until > time.monotonic():
             return 0.0
         return entry.weight if self.version else 1.0
+
+    def suspend(self, entry: WorkerEntry, seconds: float, reason: str) -> None:
+        """Avoid entry for a while: it just failed a stream (faster than the prober can tell)."""
+        entry.suspended_until = time.monotonic() + seconds
+        entry.suspended_reason = reason
 
     def apply(self, table: router_pb2.WeightTable) -> bool:
         """Use table if it is newer than the one in force; return whether it was applied."""
@@ -122,6 +130,12 @@ class WorkerPool:
     def _draw(self, entries: list[WorkerEntry]) -> WorkerEntry:
         return self._rng.choices(entries, weights=[self.effective_weight(e) for e in entries])[0]
 
+    def _reason(self, entry: WorkerEntry) -> str:
+        left = entry.suspended_until - time.monotonic()
+        if left > 0:
+            return f"{entry.reason}; avoided by this router for {left:.1f} s: {entry.suspended_reason}"
+        return entry.reason
+
     def table(self) -> router_pb2.RoutingTable:
         """The routing table for operators."""
         result = router_pb2.RoutingTable(version=self.version)
@@ -138,7 +152,7 @@ class WorkerPool:
                     state=state,
                     in_flight=entry.in_flight,
                     served_total=entry.served_total,
-                    reason=entry.reason,
+                    reason=self._reason(entry),
                     triton_url=entry.triton_url,
                 )
             )

@@ -9,7 +9,7 @@ import math
 import os
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -50,12 +50,18 @@ class RouterConfig:
     workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated", parse=csv)
     default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset")
     max_prompt_bytes: int = setting(1024 * 1024, "largest prompt (or sum of message contents) accepted, in bytes")
+    ttft_timeout_s: float = setting(30.0, "a worker that sends no first chunk within this is failed over")
+    stall_timeout_s: float = setting(5.0, "a worker silent this long between chunks is failed over")
+    max_migrations: int = setting(3, "times one generation may move to another worker after output began")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
     ready_file: str = setting("", "write {address, pid} as JSON here once SERVING")
 
     def __post_init__(self) -> None:
         """Validate ranges."""
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(self.ttft_timeout_s > 0, f"ttft_timeout_s must be > 0, got {self.ttft_timeout_s}")
+        check(self.stall_timeout_s > 0, f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
+        check(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
         check(self.default_max_tokens > 0, f"default_max_tokens must be > 0, got {self.default_max_tokens}")
         check(self.max_prompt_bytes > 0, f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         for address in self.workers:
@@ -72,6 +78,69 @@ class _Live:
 
 class _WorkerFailed(Exception):
     """The worker could not run the generation; another worker may."""
+
+
+@dataclass
+class _Progress:
+    """What of a generation has reached the caller (survives failover)."""
+
+    seq: int = 0
+    """Last seq sent."""
+    text: list[str] = field(default_factory=list)
+    """Text pieces sent, in order."""
+    tokens: int = 0
+    """Tokens sent."""
+    migrations: int = 0
+    """Times the generation moved to another worker after output began."""
+
+
+def _continuation(base: inference_pb2.GenerateRequest, progress: _Progress) -> inference_pb2.GenerateRequest | None:
+    """The request that continues base after what progress delivered (None: nothing left to generate).
+
+    A raw prompt is extended by the delivered text; a chat gets it as (the end
+    of) a trailing assistant message, which the model continues. The seed and
+    every other setting stay; max_tokens shrinks by what was delivered.
+    """
+    if progress.seq == 0:
+        return base
+    remaining = base.max_tokens - progress.tokens
+    if remaining <= 0:
+        return None
+    forward = inference_pb2.GenerateRequest()
+    forward.CopyFrom(base)
+    forward.max_tokens = remaining
+    delivered = "".join(progress.text)
+    if base.messages:
+        if base.messages[-1].role == "assistant":
+            forward.messages[-1].content += delivered
+        else:
+            forward.messages.add(role="assistant", content=delivered)
+    else:
+        forward.prompt = base.prompt + delivered
+    return forward
+
+
+def _final_chunk(
+    request: inference_pb2.GenerateRequest,
+    progress: _Progress,
+    finish_reason: inference_pb2.FinishReason,
+    usage: inference_pb2.Usage,
+) -> inference_pb2.GenerateChunk:
+    """The last chunk: finish_reason, usage, and the tokens that produced no text.
+
+    Its token_count makes the chunks' counts add up to usage.completion_tokens
+    (the end-of-turn token produces no text but is counted).
+    """
+    extra = max(0, usage.completion_tokens - progress.tokens)
+    progress.tokens += extra
+    return inference_pb2.GenerateChunk(
+        request_id=request.request_id,
+        seq=progress.seq,
+        token_count=extra,
+        finish_reason=finish_reason,
+        usage=usage,
+        model=request.model,
+    )
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -112,39 +181,50 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
-        """Admit, pick a worker, relay its chunks with seq 1..N."""
+        """Admit, pick a worker, relay its chunks with seq 1..N; fail over when a worker fails."""
         model = self._validate(request)
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.live:
             raise AlreadyExists(f"request_id {request_id!r} is live already; use a new id, or Resume it")
-        forward = inference_pb2.GenerateRequest()
-        forward.CopyFrom(request)
-        forward.request_id = request_id
-        forward.model = model.name
+        base = inference_pb2.GenerateRequest()
+        base.CopyFrom(request)
+        base.request_id = request_id
+        base.model = model.name
         if not request.HasField("max_tokens"):
-            forward.max_tokens = min(self._config.default_max_tokens, model.max_context)
+            base.max_tokens = min(self._config.default_max_tokens, model.max_context)
         live = self.live[request_id] = _Live()
+        progress = _Progress()
         tried: set[str] = set()
         try:
             while True:
+                forward = _continuation(base, progress)
+                if forward is None:
+                    # Every requested token reached the caller; only the end was lost.
+                    progress.seq += 1
+                    yield _final_chunk(base, progress, inference_pb2.FINISH_REASON_LENGTH, inference_pb2.Usage())
+                    return
                 entry = self._pool.pick(model.name, exclude=tried)
-                async with contextlib.aclosing(self._relay(entry, forward, live, context)) as relay:
-                    try:
-                        first = await anext(relay)
-                    except _WorkerFailed as failure:
-                        # Nothing reached the caller yet, so another worker may run it.
-                        log.warning("worker %s could not start %s: %s", entry.address, request_id, failure)
-                        tried.add(entry.address)
-                        continue
-                    except StopAsyncIteration:
-                        raise Unavailable(f"worker {entry.address} ended {request_id} without output") from None
-                    yield first
-                    try:
+                try:
+                    async with contextlib.aclosing(self._relay(entry, forward, live, context, progress)) as relay:
                         async for chunk in relay:
                             yield chunk
-                    except _WorkerFailed as failure:
-                        raise Unavailable(f"worker {entry.address} failed mid-stream: {failure}") from failure
                     return
+                except _WorkerFailed as failure:
+                    tried.add(entry.address)
+                    self._pool.suspend(entry, self._config.stall_timeout_s, str(failure))
+                    if progress.seq == 0:
+                        # Nothing reached the caller yet: simply run it elsewhere.
+                        log.warning("worker %s could not start %s: %s", entry.address, request_id, failure)
+                        continue
+                    progress.migrations += 1
+                    if progress.migrations > self._config.max_migrations:
+                        raise Unavailable(
+                            f"generation {request_id} failed on {progress.migrations} workers; last: {failure}"
+                        ) from failure
+                    log.warning(
+                        "worker %s failed %s after seq %d (%s); continuing on another worker",
+                        entry.address, request_id, progress.seq, failure,
+                    )
         finally:
             del self.live[request_id]
 
@@ -154,49 +234,58 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         forward: inference_pb2.GenerateRequest,
         live: _Live,
         context: grpc.aio.ServicerContext[Any, Any],
+        progress: _Progress,
     ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
-        """Run forward on entry's worker; raise _WorkerFailed when the worker is at fault."""
+        """Run forward on entry's worker, numbering chunks after progress.seq.
+
+        Raises _WorkerFailed when the worker is at fault (it died, stalled, or
+        reported a backend failure), so the caller's stream can continue elsewhere.
+        """
         stub = self._stubs[entry.address]
         entry.in_flight += 1
         call = stub.Generate(timeout=context.time_remaining())
         live.call = call
-        seq = 0
-        relayed_tokens = 0
+        tokens_before = progress.tokens
+        timeout = self._config.ttft_timeout_s
         try:
             await call.write(worker_pb2.WorkerCommand(start=forward))
             if live.cancel_requested:
                 await call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
-            async for event in call:
+            while True:
+                try:
+                    event = await asyncio.wait_for(call.read(), timeout)
+                except TimeoutError:
+                    raise _WorkerFailed(f"stalled: no output for {timeout:g} s") from None
+                if event is grpc.aio.EOF:
+                    raise _WorkerFailed("worker closed the stream without an end")
+                timeout = self._config.stall_timeout_s
                 kind = event.WhichOneof("event")
-                seq += 1
                 if kind == "chunk":
-                    relayed_tokens += event.chunk.token_count
+                    progress.seq += 1
+                    progress.text.append(event.chunk.text)
+                    progress.tokens += event.chunk.token_count
                     yield inference_pb2.GenerateChunk(
                         request_id=forward.request_id,
-                        seq=seq,
+                        seq=progress.seq,
                         text=event.chunk.text,
                         token_count=event.chunk.token_count,
                         model=forward.model,
                     )
                 elif kind == "end":
                     entry.served_total += 1
-                    yield inference_pb2.GenerateChunk(
-                        request_id=forward.request_id,
-                        seq=seq,
-                        # Tokens that produced no text (the end-of-turn token), so
-                        # that token counts always add up to usage.completion_tokens.
-                        token_count=max(0, event.end.usage.completion_tokens - relayed_tokens),
-                        finish_reason=event.end.finish_reason,
-                        usage=event.end.usage,
-                        model=forward.model,
+                    usage = inference_pb2.Usage(
+                        # A continuation's prompt holds the text already delivered.
+                        prompt_tokens=max(0, event.end.usage.prompt_tokens - tokens_before),
+                        completion_tokens=tokens_before + event.end.usage.completion_tokens,
                     )
+                    progress.seq += 1
+                    yield _final_chunk(forward, progress, event.end.finish_reason, usage)
                     return
                 else:
                     error = event.error
                     if error.error_class in CALLER_ERROR_CLASSES:
                         raise from_generation_error(error)
                     raise _WorkerFailed(error.message)
-            raise _WorkerFailed("worker closed the stream without an end")
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:

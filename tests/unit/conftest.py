@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -39,21 +40,31 @@ async def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) ->
         await asyncio.sleep(interval)
 
 
-@pytest.fixture
-async def mesh() -> AsyncIterator[InProcessMesh]:
+@contextlib.asynccontextmanager
+async def in_process_mesh(**router_settings: object) -> AsyncIterator[InProcessMesh]:
     """Two workers over FakeBackend and a router (no prober: even split over healthy workers)."""
     backends = [FakeBackend(), FakeBackend()]
     workers = [Worker(WorkerConfig(port=0, drain_grace_s=1), backend=b) for b in backends]
     for w in workers:
         await w.start()
-    router = Router(RouterConfig(port=0, workers=tuple(w.host.address for w in workers), drain_grace_s=1))
+    router = Router(
+        RouterConfig(port=0, workers=tuple(w.host.address for w in workers), drain_grace_s=1, **router_settings)
+    )
     await router.start()
     channel = grpc.aio.insecure_channel(router.host.address)
     try:
         await wait_until(lambda: all(e.healthy and e.models for e in router.pool.entries.values()))
+        for b in backends:
+            b.started.clear()  # forget the warm-up generations
         yield InProcessMesh(router, workers, backends, channel)
     finally:
         await channel.close()
         await router.stop()
         for w in workers:
             await w.stop()
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[InProcessMesh]:
+    async with in_process_mesh() as m:
+        yield m

@@ -10,10 +10,14 @@ from tokenmesh.worker.backend import Backend, BackendError, Delta, Finished, Gen
 
 
 class FakeGeneration(Generation):
-    """Streams "tok0 tok1 ..." (max_tokens of them), one every `delay` seconds.
+    """Streams "tokN " tokens, one every `delay` seconds, like a deterministic model.
 
+    N continues from the "tok" tokens already in the prompt (or in a trailing
+    assistant message), as a real model continues a prefilled answer, so a
+    generation split over workers must still read tok0 tok1 tok2 ...
     Prompts starting with "fail-invalid" / "fail-backend" raise the matching
-    BackendError before the first token.
+    BackendError before the first token; the backend's fail_after / stall_after
+    break it after that many tokens.
     """
 
     def __init__(self, backend: FakeBackend, params: GenerationParams) -> None:
@@ -26,29 +30,35 @@ class FakeGeneration(Generation):
 
     async def __aiter__(self) -> AsyncIterator[Delta | Finished]:  # type: ignore[override]
         self.backend.started.append(self)
-        prompt = self.params.prompt or self.params.messages[-1][1]
+        params = self.params
+        prompt = params.prompt or params.messages[-1][1]
         if prompt.startswith("fail-invalid"):
             raise BackendError(worker_pb2.ERROR_CLASS_INVALID_REQUEST, "request exceeds the available context size")
         if prompt.startswith("fail-backend"):
             raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, "Stub process is not healthy")
-        for i in range(self.params.max_tokens):
-            if self.cancelled.is_set():
-                yield Finished("cancelled", 3, i)
-                return
+        prefilled = params.prompt if params.prompt else (prompt if params.messages[-1][0] == "assistant" else "")
+        first = prefilled.count("tok")
+        for i in range(params.max_tokens):
+            if i == self.backend.fail_after:
+                raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, "CUDA error: an illegal memory access")
+            if i == self.backend.stall_after:
+                await self.cancelled.wait()
             try:
                 await asyncio.wait_for(self.cancelled.wait(), self.backend.delay)
             except TimeoutError:
                 pass
-            else:
+            if self.cancelled.is_set():
                 yield Finished("cancelled", 3, i)
                 return
-            yield Delta(f"tok{i} ", 1)
-        yield Finished("length", 3, self.params.max_tokens)
+            yield Delta(f"tok{first + i} ", 1)
+        yield Finished("length", 3 + first, params.max_tokens)
 
 
 class FakeBackend(Backend):
     def __init__(self, delay: float = 0.001, name: str = "fake", max_context: int = 512) -> None:
         self.delay = delay
+        self.fail_after: int | None = None
+        self.stall_after: int | None = None
         self.started: list[FakeGeneration] = []
         self._spec = ModelSpec(name=name, max_context=max_context, slots=4)
         self.running = False

@@ -60,10 +60,9 @@ class TritonPythonModel:
         threads = int(params.get("n_threads", "2"))
         p.cpuparams.n_threads = threads
         p.cpuparams_batch.n_threads = threads
-        # false: llama.cpp applies the chat template named in the GGUF with its
-        # built-in formatter. The GGUF's Jinja template adds a default system
-        # prompt that makes this small model answer far worse.
-        p.use_jinja = params.get("use_jinja", "false").lower() == "true"
+        p.use_jinja = True
+        if params.get("chat_template"):
+            p.chat_template = params["chat_template"]
         p.warmup = False
         p.verbosity = -1
         self._engine = xllamacpp.Server(p)

@@ -1,0 +1,83 @@
+"""Mid-stream failover: the caller's stream continues exactly on another worker."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from tokenmesh.v1 import inference_pb2, router_pb2
+
+from .conftest import InProcessMesh, in_process_mesh
+
+
+async def collect(mesh: InProcessMesh, **fields) -> list[inference_pb2.GenerateChunk]:
+    return [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(**fields))]
+
+
+def expected_text(n: int) -> str:
+    return "".join(f"tok{i} " for i in range(n))
+
+
+def assert_exact(chunks: list[inference_pb2.GenerateChunk], n: int) -> None:
+    assert [c.seq for c in chunks] == list(range(1, len(chunks) + 1))
+    assert "".join(c.text for c in chunks) == expected_text(n)  # nothing repeated, nothing lost
+    assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+    assert chunks[-1].usage.completion_tokens == n == sum(c.token_count for c in chunks)
+
+
+async def test_worker_failing_mid_stream_is_continued_elsewhere(mesh: InProcessMesh) -> None:
+    mesh.backends[0].fail_after = 4  # the first pick fails after 4 tokens
+    chunks = await collect(mesh, prompt="hello", max_tokens=12, seed=7)
+    assert_exact(chunks, 12)
+    first, second = mesh.backends[0].started[0], mesh.backends[1].started[0]
+    assert first.params.max_tokens == 12 and first.params.prompt == "hello"
+    # The continuation: prompt plus the delivered text, the rest of max_tokens, the same seed.
+    assert second.params.prompt == "hello" + expected_text(4)
+    assert (second.params.max_tokens, second.params.seed) == (8, 7)
+    table = await mesh.operator.GetRoutingTable(router_pb2.GetRoutingTableRequest())
+    failed = next(w for w in table.workers if w.address == mesh.workers[0].host.address)
+    assert "avoided by this router" in failed.reason and "illegal memory access" in failed.reason
+
+
+async def test_chat_is_continued_as_a_prefilled_assistant_message(mesh: InProcessMesh) -> None:
+    mesh.backends[0].fail_after = 3
+    chunks = await collect(mesh, messages=[inference_pb2.ChatMessage(role="user", content="count")], max_tokens=8)
+    assert_exact(chunks, 8)
+    continued = mesh.backends[1].started[0].params
+    assert continued.messages == (("user", "count"), ("assistant", expected_text(3)))
+
+
+async def test_stalled_worker_is_failed_over_after_the_stall_window() -> None:
+    async with in_process_mesh(stall_timeout_s=0.3) as mesh:
+        mesh.backends[0].stall_after = 5
+        started = time.monotonic()
+        chunks = await collect(mesh, prompt="hello", max_tokens=10)
+        assert_exact(chunks, 10)
+        assert time.monotonic() - started < 3
+        # The stalled generation was cancelled on its worker.
+        assert mesh.backends[0].started[0].cancelled.is_set()
+
+
+async def test_migration_limit_ends_the_stream_with_unavailable() -> None:
+    async with in_process_mesh(max_migrations=0) as mesh:
+        mesh.backends[0].fail_after = 2
+        mesh.backends[1].fail_after = 2
+        call = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="x", max_tokens=10))
+        received = []
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for chunk in call:
+                received.append(chunk)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "failed on 1 workers" in info.value.details()
+        assert "".join(c.text for c in received) == expected_text(2)
+
+
+async def test_every_token_delivered_but_end_lost_finishes_with_length(mesh: InProcessMesh) -> None:
+    mesh.backends[0].fail_after = 5  # dies right after its 5th and last token
+    chunks = await collect(mesh, prompt="x", max_tokens=5)
+    assert "".join(c.text for c in chunks) == expected_text(5)
+    assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+    assert [c.seq for c in chunks] == list(range(1, 7))
+    assert mesh.backends[1].started == []  # nothing left to generate elsewhere
