@@ -52,6 +52,13 @@ class AlreadyExists(MeshError):
     http_status = 409
 
 
+class OutOfRange(MeshError):
+    """A position (e.g. Resume's after_seq) is outside what exists."""
+
+    grpc_code = grpc.StatusCode.OUT_OF_RANGE
+    http_status = 416
+
+
 class ResourceExhausted(MeshError):
     """Admission queue full or timed out; retry later (hint in trailers)."""
 

@@ -22,6 +22,7 @@ from tokenmesh.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
+    OutOfRange,
     Unavailable,
     from_generation_error,
 )
@@ -74,6 +75,8 @@ class _Live:
     def __init__(self) -> None:
         self.call: grpc.aio.StreamStreamCall[Any, Any] | None = None
         self.cancel_requested = False
+        self.holder = ""
+        """Worker address a Resume is attached to."""
 
 
 class _WorkerFailed(Exception):
@@ -120,26 +123,17 @@ def _continuation(base: inference_pb2.GenerateRequest, progress: _Progress) -> i
     return forward
 
 
-def _final_chunk(
-    request: inference_pb2.GenerateRequest,
-    progress: _Progress,
-    finish_reason: inference_pb2.FinishReason,
-    usage: inference_pb2.Usage,
-) -> inference_pb2.GenerateChunk:
-    """The last chunk: finish_reason, usage, and the tokens that produced no text.
-
-    Its token_count makes the chunks' counts add up to usage.completion_tokens
-    (the end-of-turn token produces no text but is counted).
-    """
-    extra = max(0, usage.completion_tokens - progress.tokens)
-    progress.tokens += extra
+def _chunk(event: worker_pb2.WorkerEvent, request_id: str, model: str) -> inference_pb2.GenerateChunk:
+    """The caller's chunk for a worker's chunk or end event (seq from the worker)."""
+    if event.WhichOneof("event") == "chunk":
+        return inference_pb2.GenerateChunk(
+            request_id=request_id, seq=event.seq, text=event.chunk.text, token_count=event.chunk.token_count,
+            model=model,
+        )
+    end = event.end
     return inference_pb2.GenerateChunk(
-        request_id=request.request_id,
-        seq=progress.seq,
-        token_count=extra,
-        finish_reason=finish_reason,
-        usage=usage,
-        model=request.model,
+        request_id=request_id, seq=event.seq, token_count=end.token_count, finish_reason=end.finish_reason,
+        usage=end.usage, model=model,
     )
 
 
@@ -151,6 +145,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._pool = pool
         self._stubs = stubs
         self.live: dict[str, _Live] = {}
+        self._background: set[asyncio.Task[None]] = set()
 
     def _validate(self, req: inference_pb2.GenerateRequest) -> inference_pb2.ModelInfo:
         if bool(req.prompt) == bool(req.messages):
@@ -200,12 +195,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 forward = _continuation(base, progress)
                 if forward is None:
                     # Every requested token reached the caller; only the end was lost.
-                    progress.seq += 1
-                    yield _final_chunk(base, progress, inference_pb2.FINISH_REASON_LENGTH, inference_pb2.Usage())
+                    yield inference_pb2.GenerateChunk(
+                        request_id=request_id, seq=progress.seq + 1, model=model.name,
+                        finish_reason=inference_pb2.FINISH_REASON_LENGTH,
+                        usage=inference_pb2.Usage(completion_tokens=progress.tokens),
+                    )
                     return
                 entry = self._pool.pick(model.name, exclude=tried)
                 try:
-                    async with contextlib.aclosing(self._relay(entry, forward, live, context, progress)) as relay:
+                    relay = self._relay(entry, forward, live, context, progress, resumable=bool(request.request_id))
+                    async with contextlib.aclosing(relay):
                         async for chunk in relay:
                             yield chunk
                     return
@@ -235,20 +234,27 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         live: _Live,
         context: grpc.aio.ServicerContext[Any, Any],
         progress: _Progress,
+        *,
+        resumable: bool,
     ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
-        """Run forward on entry's worker, numbering chunks after progress.seq.
+        """Run forward on entry's worker, its chunks numbered after progress.seq.
 
         Raises _WorkerFailed when the worker is at fault (it died, stalled, or
-        reported a backend failure), so the caller's stream can continue elsewhere.
+        reported a backend failure), so the caller's stream can continue
+        elsewhere. When the caller goes away from a resumable generation (one
+        with a caller-chosen request_id) the worker keeps it for Resume;
+        otherwise the worker is told to stop.
         """
         stub = self._stubs[entry.address]
         entry.in_flight += 1
         call = stub.Generate(timeout=context.time_remaining())
         live.call = call
-        tokens_before = progress.tokens
         timeout = self._config.ttft_timeout_s
+        finished = False
+        detach = False
+        start = worker_pb2.WorkerCommand(start=forward, first_seq=progress.seq + 1, tokens_before=progress.tokens)
         try:
-            await call.write(worker_pb2.WorkerCommand(start=forward))
+            await call.write(start)
             if live.cancel_requested:
                 await call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
             while True:
@@ -260,32 +266,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     raise _WorkerFailed("worker closed the stream without an end")
                 timeout = self._config.stall_timeout_s
                 kind = event.WhichOneof("event")
+                if kind == "error":
+                    finished = True
+                    if event.error.error_class in CALLER_ERROR_CLASSES:
+                        raise from_generation_error(event.error)
+                    raise _WorkerFailed(event.error.message)
+                if event.seq != progress.seq + 1:
+                    raise _WorkerFailed(f"worker sent seq {event.seq}, expected {progress.seq + 1}")
+                progress.seq = event.seq
                 if kind == "chunk":
-                    progress.seq += 1
                     progress.text.append(event.chunk.text)
                     progress.tokens += event.chunk.token_count
-                    yield inference_pb2.GenerateChunk(
-                        request_id=forward.request_id,
-                        seq=progress.seq,
-                        text=event.chunk.text,
-                        token_count=event.chunk.token_count,
-                        model=forward.model,
-                    )
-                elif kind == "end":
-                    entry.served_total += 1
-                    usage = inference_pb2.Usage(
-                        # A continuation's prompt holds the text already delivered.
-                        prompt_tokens=max(0, event.end.usage.prompt_tokens - tokens_before),
-                        completion_tokens=tokens_before + event.end.usage.completion_tokens,
-                    )
-                    progress.seq += 1
-                    yield _final_chunk(forward, progress, event.end.finish_reason, usage)
-                    return
-                else:
-                    error = event.error
-                    if error.error_class in CALLER_ERROR_CLASSES:
-                        raise from_generation_error(error)
-                    raise _WorkerFailed(error.message)
+                    yield _chunk(event, forward.request_id, forward.model)
+                    continue
+                finished = True
+                entry.served_total += 1
+                yield _chunk(event, forward.request_id, forward.model)
+                return
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -293,29 +290,104 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
                 raise InvalidArgument(exc.details() or str(code)) from exc
             raise _WorkerFailed(f"{code.name}: {exc.details()}") from exc
+        except (asyncio.CancelledError, GeneratorExit):
+            detach = resumable  # the caller went away
+            raise
         finally:
             entry.in_flight -= 1
             live.call = None
-            call.cancel()  # no-op when done; tells the worker to stop when we stopped early
+            call.cancel()
+            if not finished and not detach:
+                self._cancel_on_worker(entry.address, forward.request_id)
+
+    def _cancel_on_worker(self, address: str, request_id: str) -> None:
+        """Tell a worker to stop a generation, in the background.
+
+        The deadline is long on purpose: a stalled (e.g. SIGSTOPped) worker
+        gets the cancel when it runs again, and does not go on generating a
+        stream that moved elsewhere.
+        """
+        stub = self._stubs.get(address)
+        if stub is None:
+            return
+
+        async def cancel() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.Cancel(inference_pb2.CancelRequest(request_id=request_id), timeout=60)
+
+        task = asyncio.create_task(cancel())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def Resume(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
-        """Not in this release: resume arrives with the replay buffers."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Resume is not implemented yet")
-        yield inference_pb2.GenerateChunk()  # pragma: no cover - makes this an async generator
+        """Find the worker holding request_id; replay chunks after after_seq, then follow live."""
+        request_id = request.request_id
+        if not request_id:
+            raise InvalidArgument("request_id is required")
+        if request_id in self.live:
+            raise AlreadyExists(f"generation {request_id!r} is being streamed by this router already")
+        live = self.live[request_id] = _Live()
+        try:
+            for entry in sorted(self._pool.entries.values(), key=lambda e: not e.healthy):
+                call = self._stubs[entry.address].Attach(
+                    worker_pb2.AttachRequest(request_id=request_id, after_seq=request.after_seq),
+                    timeout=context.time_remaining(),
+                )
+                try:
+                    event = await call.read()
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
+                        raise OutOfRange(exc.details() or "after_seq out of range") from exc
+                    continue  # not there (NOT_FOUND) or not reachable
+                live.holder = entry.address
+                try:
+                    while event is not grpc.aio.EOF:
+                        if event.WhichOneof("event") == "error":
+                            if event.error.error_class in CALLER_ERROR_CLASSES:
+                                raise from_generation_error(event.error)
+                            raise Unavailable(f"generation {request_id} failed on its worker: {event.error.message}")
+                        yield _chunk(event, request_id, "")
+                        if event.WhichOneof("event") == "end":
+                            return
+                        event = await call.read()
+                except grpc.aio.AioRpcError as exc:
+                    raise Unavailable(
+                        f"worker {entry.address} holding {request_id} failed during Resume ({exc.code().name}); "
+                        "a resumed stream is not moved to another worker"
+                    ) from exc
+                finally:
+                    call.cancel()
+                raise Unavailable(f"worker {entry.address} ended {request_id} without an end")
+            raise NotFound(
+                f"no worker holds generation {request_id!r}: unknown id, cancelled, or finished "
+                "longer ago than the resume grace period"
+            )
+        finally:
+            del self.live[request_id]
 
     async def Cancel(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> inference_pb2.CancelResponse:
-        """Ask the worker to stop a live generation; its stream ends with CANCELLED."""
+        """Stop a generation: on this router's stream, or on whichever worker holds it."""
         live = self.live.get(request.request_id)
-        if live is None:
-            raise NotFound(f"no live generation with request_id {request.request_id!r} on this router")
-        live.cancel_requested = True
-        if live.call is not None:
-            with contextlib.suppress(grpc.aio.UsageError, grpc.aio.AioRpcError):
-                await live.call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
+        if live is not None:
+            live.cancel_requested = True
+            if live.call is not None:
+                with contextlib.suppress(grpc.aio.UsageError, grpc.aio.AioRpcError):
+                    await live.call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
+                return inference_pb2.CancelResponse(cancelled=True)
+        cancelled = False
+        for address, stub in self._stubs.items():
+            try:
+                await stub.Cancel(inference_pb2.CancelRequest(request_id=request.request_id), timeout=5)
+                cancelled = True
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    log.debug("Cancel of %s on %s: %s", request.request_id, address, exc.code().name)
+        if not cancelled:
+            raise NotFound(f"no live generation with request_id {request.request_id!r}")
         return inference_pb2.CancelResponse(cancelled=True)
 
     async def ListModels(  # noqa: N802 - gRPC method name

@@ -26,12 +26,16 @@ ERROR_CLASS_BACKEND: ErrorClass
 ERROR_CLASS_MODEL_NOT_FOUND: ErrorClass
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("start", "cancel")
+    __slots__ = ("start", "cancel", "first_seq", "tokens_before")
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     start: _inference_pb2.GenerateRequest
     cancel: CancelGeneration
-    def __init__(self, start: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ...) -> None: ...
+    first_seq: int
+    tokens_before: int
+    def __init__(self, start: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ..., first_seq: _Optional[int] = ..., tokens_before: _Optional[int] = ...) -> None: ...
 
 class CancelGeneration(_message.Message):
     __slots__ = ("reason",)
@@ -40,14 +44,24 @@ class CancelGeneration(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
-    __slots__ = ("chunk", "end", "error")
+    __slots__ = ("chunk", "end", "error", "seq")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     chunk: TokenChunk
     end: GenerationEnd
     error: GenerationError
-    def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., end: _Optional[_Union[GenerationEnd, _Mapping]] = ..., error: _Optional[_Union[GenerationError, _Mapping]] = ...) -> None: ...
+    seq: int
+    def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., end: _Optional[_Union[GenerationEnd, _Mapping]] = ..., error: _Optional[_Union[GenerationError, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("request_id", "after_seq")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    after_seq: int
+    def __init__(self, request_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("text", "token_count")
@@ -58,12 +72,14 @@ class TokenChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_count: _Optional[int] = ...) -> None: ...
 
 class GenerationEnd(_message.Message):
-    __slots__ = ("finish_reason", "usage")
+    __slots__ = ("finish_reason", "usage", "token_count")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _inference_pb2.FinishReason
     usage: _inference_pb2.Usage
-    def __init__(self, finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_inference_pb2.Usage, _Mapping]] = ...) -> None: ...
+    token_count: int
+    def __init__(self, finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_inference_pb2.Usage, _Mapping]] = ..., token_count: _Optional[int] = ...) -> None: ...
 
 class GenerationError(_message.Message):
     __slots__ = ("error_class", "message")

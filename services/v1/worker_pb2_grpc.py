@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from tokenmesh.v1 import inference_pb2 as tokenmesh_dot_v1_dot_inference__pb2
 from tokenmesh.v1 import worker_pb2 as tokenmesh_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
@@ -50,6 +51,16 @@ class WorkerStub:
                 request_serializer=tokenmesh_dot_v1_dot_worker__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=tokenmesh_dot_v1_dot_worker__pb2.DescribeResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/tokenmesh.v1.Worker/Attach',
+                request_serializer=tokenmesh_dot_v1_dot_worker__pb2.AttachRequest.SerializeToString,
+                response_deserializer=tokenmesh_dot_v1_dot_worker__pb2.WorkerEvent.FromString,
+                _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/tokenmesh.v1.Worker/Cancel',
+                request_serializer=tokenmesh_dot_v1_dot_inference__pb2.CancelRequest.SerializeToString,
+                response_deserializer=tokenmesh_dot_v1_dot_inference__pb2.CancelResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -81,6 +92,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Re-attaches to a generation this worker holds (live, or finished within
+        the resume grace period): replays its events with seq > after_seq, then
+        continues live. NOT_FOUND when it holds none by that id; OUT_OF_RANGE
+        when after_seq is beyond what it produced or before what it still keeps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Cancel(self, request, context):
+        """Stops a generation this worker holds, wherever its stream is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +126,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=tokenmesh_dot_v1_dot_worker__pb2.DescribeRequest.FromString,
                     response_serializer=tokenmesh_dot_v1_dot_worker__pb2.DescribeResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=tokenmesh_dot_v1_dot_worker__pb2.AttachRequest.FromString,
+                    response_serializer=tokenmesh_dot_v1_dot_worker__pb2.WorkerEvent.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=tokenmesh_dot_v1_dot_inference__pb2.CancelRequest.FromString,
+                    response_serializer=tokenmesh_dot_v1_dot_inference__pb2.CancelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +220,60 @@ class Worker:
             '/tokenmesh.v1.Worker/Describe',
             tokenmesh_dot_v1_dot_worker__pb2.DescribeRequest.SerializeToString,
             tokenmesh_dot_v1_dot_worker__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokenmesh.v1.Worker/Attach',
+            tokenmesh_dot_v1_dot_worker__pb2.AttachRequest.SerializeToString,
+            tokenmesh_dot_v1_dot_worker__pb2.WorkerEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenmesh.v1.Worker/Cancel',
+            tokenmesh_dot_v1_dot_inference__pb2.CancelRequest.SerializeToString,
+            tokenmesh_dot_v1_dot_inference__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,

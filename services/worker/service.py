@@ -18,17 +18,11 @@ from tokenmesh.config import check, setting
 from tokenmesh.errors import InvalidArgument, NotFound, Unavailable
 from tokenmesh.server import ServiceHost, install_signal_handlers, write_ready_file
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
-from tokenmesh.worker.backend import Backend, BackendError, Delta, GenerationParams, ModelSpec
+from tokenmesh.worker.backend import Backend, GenerationParams, ModelSpec
 from tokenmesh.worker.devices import DeviceReader, nvml_reader
+from tokenmesh.worker.registry import Record, Registry
 
 log = logging.getLogger(__name__)
-
-FINISH_REASONS = {
-    "stop": inference_pb2.FINISH_REASON_STOP,
-    "length": inference_pb2.FINISH_REASON_LENGTH,
-    "cancelled": inference_pb2.FINISH_REASON_CANCELLED,
-}
-
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
@@ -42,6 +36,8 @@ class WorkerConfig:
     threads: int = setting(0, "llama.cpp threads per model (config.pbtxt n_threads); 0 keeps the model's value")
     slots: int = setting(0, "concurrent generations per model (config.pbtxt n_parallel); 0 keeps the model's value")
     work_dir: str = setting("", "folder for Triton's files and log; empty = a new temporary folder")
+    resume_grace_s: float = setting(30.0, "how long a generation whose stream dropped is kept (running) for Resume")
+    replay_buffer_bytes: int = setting(1024 * 1024, "per-generation replay buffer; a reader further behind fails")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
     ready_file: str = setting("", "write {address, triton_url, pid, triton_pid} as JSON here once SERVING")
 
@@ -51,23 +47,42 @@ class WorkerConfig:
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         check(self.slots >= 0, f"slots must be >= 0, got {self.slots}")
         check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        check(self.resume_grace_s > 0, f"resume_grace_s must be > 0, got {self.resume_grace_s}")
+        check(self.replay_buffer_bytes >= 4096, f"replay_buffer_bytes must be >= 4096, got {self.replay_buffer_bytes}")
         if self.model_repository:
             check(Path(self.model_repository).is_dir(), f"model_repository {self.model_repository!r} is not a folder")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Generate/Stats/Describe over a :class:`Backend`."""
+    """Generate/Attach/Cancel/Stats/Describe over a :class:`Backend`."""
 
-    def __init__(self, backend: Backend, devices: DeviceReader, cuda_visible_devices: str = "") -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        devices: DeviceReader,
+        cuda_visible_devices: str = "",
+        *,
+        resume_grace_s: float = 30.0,
+        replay_buffer_bytes: int = 1024 * 1024,
+    ) -> None:
         self._backend = backend
         self._devices = devices
         self._cuda_visible_devices = cuda_visible_devices
+        self.registry = Registry(resume_grace_s, replay_buffer_bytes, self._settled)
         self.serving = False
         self.in_flight = 0
         self.served_total = 0
         self.tokens_total = 0
         self.idle = asyncio.Event()
         self.idle.set()
+
+    def _settled(self, record: Record) -> None:
+        self.in_flight -= 1
+        self.tokens_total += record.tokens
+        if record.events and record.events[-1].WhichOneof("event") == "end":
+            self.served_total += 1
+        if self.in_flight == 0:
+            self.idle.set()
 
     def _model(self, name: str) -> ModelSpec:
         models = self._backend.models()
@@ -87,13 +102,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[worker_pb2.WorkerCommand], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.WorkerEvent]:
-        """Run one generation; a cancel command or a vanished caller stops it."""
+        """Start a generation and stream it; a cancel command stops it.
+
+        If this stream goes away without a cancel, the generation goes on
+        (detached) for the resume grace period; ``Attach`` picks it up.
+        """
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("command") != "start":
             raise InvalidArgument("the first WorkerCommand must be `start` with the GenerateRequest")
         if not self.serving:
             raise Unavailable("worker is not serving (starting, draining, or its Triton is down)")
         req = first.start
+        if not req.request_id:
+            raise InvalidArgument("start.request_id is required (the router assigns one)")
         spec = self._model(req.model)
         params = GenerationParams(
             model=spec.name,
@@ -109,41 +130,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             timeout_s=context.time_remaining(),
             labels=dict(req.labels),
         )
-        generation = self._backend.generate(params)
         self.in_flight += 1
         self.idle.clear()
+        record = self.registry.start(req.request_id, first.first_seq or 1, first.tokens_before,
+                                     self._backend.generate(params))
 
         async def watch_commands() -> None:
             async for command in request_iterator:
-                if command.WhichOneof("command") == "cancel":
-                    generation.cancel()
+                if command.WhichOneof("command") == "cancel" and self.registry.records.get(req.request_id) is record:
+                    self.registry.cancel(req.request_id)
                     return
 
         watcher = asyncio.create_task(watch_commands())
         try:
-            async for event in generation:
-                if isinstance(event, Delta):
-                    self.tokens_total += event.tokens
-                    yield worker_pb2.WorkerEvent(chunk=worker_pb2.TokenChunk(text=event.text, token_count=event.tokens))
-                    continue
-                self.served_total += 1
-                usage = inference_pb2.Usage(
-                    prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens
-                )
-                reason = FINISH_REASONS.get(event.reason, inference_pb2.FINISH_REASON_STOP)
-                yield worker_pb2.WorkerEvent(end=worker_pb2.GenerationEnd(finish_reason=reason, usage=usage))
-                return
-        except BackendError as error:
-            log.warning("generation %s failed (%s): %s", req.request_id, error.error_class, error.message)
-            yield worker_pb2.WorkerEvent(
-                error=worker_pb2.GenerationError(error_class=error.error_class, message=error.message)
-            )
+            async for event in record.stream(record.first_seq - 1):
+                yield event
         finally:
             watcher.cancel()
-            generation.cancel()  # no-op when it finished; stops Triton when the caller vanished
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self.idle.set()
+
+    async def Attach(  # noqa: N802 - gRPC method name
+        self, request: worker_pb2.AttachRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[worker_pb2.WorkerEvent]:
+        """Replay a held generation after after_seq, then follow it live."""
+        record = self.registry.get(request.request_id)
+        async for event in record.stream(request.after_seq):
+            yield event
+
+    async def Cancel(  # noqa: N802 - gRPC method name
+        self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> inference_pb2.CancelResponse:
+        """Stop and forget a held generation."""
+        if not self.registry.cancel(request.request_id):
+            raise NotFound(f"no generation {request.request_id!r} on this worker")
+        return inference_pb2.CancelResponse(cancelled=True)
 
     async def Stats(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[worker_pb2.StatsPing], context: grpc.aio.ServicerContext[Any, Any]
@@ -193,7 +212,13 @@ class Worker:
         self.config = config
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.backend = backend or self._triton_backend()
-        self.servicer = WorkerServicer(self.backend, nvml_reader(config.devices or None), config.devices)
+        self.servicer = WorkerServicer(
+            self.backend,
+            nvml_reader(config.devices or None),
+            config.devices,
+            resume_grace_s=config.resume_grace_s,
+            replay_buffer_bytes=config.replay_buffer_bytes,
+        )
         service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
         self.host = ServiceHost(config.host, config.port, [service_name])
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.host.server)
@@ -275,6 +300,7 @@ class Worker:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.servicer.idle.wait(), self.config.drain_grace_s)
         await self.host.stop(grace=1.0)
+        await self.servicer.registry.close()
         if self._monitor is not None:
             self._monitor.cancel()
         await self.backend.stop()

@@ -155,7 +155,9 @@ def test_worker_over_an_existing_triton(mesh: MeshHandle) -> None:
             stub = worker_pb2_grpc.WorkerStub(channel)
             described = stub.Describe(worker_pb2.DescribeRequest(), timeout=5)
             assert [m.name for m in described.models] == ["smollm2"]
-            start = worker_pb2.WorkerCommand(start=inference_pb2.GenerateRequest(prompt="Hello", max_tokens=3))
+            start = worker_pb2.WorkerCommand(
+                start=inference_pb2.GenerateRequest(prompt="Hello", max_tokens=3, request_id="sidecar-1")
+            )
             events = list(stub.Generate(iter([start]), timeout=60))
         assert events[-1].WhichOneof("event") == "end"
         assert events[-1].end.usage.completion_tokens == 3

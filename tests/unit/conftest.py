@@ -41,10 +41,12 @@ async def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) ->
 
 
 @contextlib.asynccontextmanager
-async def in_process_mesh(**router_settings: object) -> AsyncIterator[InProcessMesh]:
+async def in_process_mesh(
+    worker_settings: dict[str, object] | None = None, **router_settings: object
+) -> AsyncIterator[InProcessMesh]:
     """Two workers over FakeBackend and a router (no prober: even split over healthy workers)."""
     backends = [FakeBackend(), FakeBackend()]
-    workers = [Worker(WorkerConfig(port=0, drain_grace_s=1), backend=b) for b in backends]
+    workers = [Worker(WorkerConfig(port=0, drain_grace_s=1, **(worker_settings or {})), backend=b) for b in backends]
     for w in workers:
         await w.start()
     router = Router(

@@ -158,12 +158,6 @@ async def test_list_models(mesh: InProcessMesh) -> None:
     assert [(m.name, m.max_context, m.is_default, m.workers) for m in response.models] == [("fake", 512, True, 2)]
 
 
-async def test_resume_is_explicitly_unimplemented(mesh: InProcessMesh) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        [c async for c in mesh.inference.Resume(inference_pb2.ResumeRequest(request_id="x"))]
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-
-
 async def test_deadline_travels_to_the_worker(mesh: InProcessMesh) -> None:
     for b in mesh.backends:
         b.delay = 0.05

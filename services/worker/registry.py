@@ -1,0 +1,227 @@
+"""The worker's generations by request_id, each with a bounded replay buffer.
+
+A generation runs in its own task, not in the RPC that started it: when the
+router's stream drops (the router died, or its caller went away) the
+generation goes on into its replay buffer for the resume grace period, so a
+caller can re-attach through any router (``Attach``). An explicit cancel stops
+it and forgets it. Records are dropped once finished (or detached) for longer
+than the grace period; a detached generation still running then is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+from tokenmesh.errors import NotFound, OutOfRange, ResourceExhausted
+from tokenmesh.v1 import inference_pb2, worker_pb2
+from tokenmesh.worker.backend import BackendError, Delta, Generation
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    "stop": inference_pb2.FINISH_REASON_STOP,
+    "length": inference_pb2.FINISH_REASON_LENGTH,
+    "cancelled": inference_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+class Record:
+    """One generation: its events so far (bounded in bytes) and its state.
+
+    Events are numbered by position: the event at position i (0-based) has
+    seq first_seq + i; only a final error carries no seq. The buffer drops
+    the oldest events beyond max_bytes, counting them in ``evicted``.
+    """
+
+    def __init__(
+        self, request_id: str, first_seq: int, tokens_before: int, generation: Generation, max_bytes: int
+    ) -> None:
+        self.request_id = request_id
+        self.first_seq = first_seq
+        self.tokens_before = tokens_before
+        """Tokens delivered by earlier workers (this one continues their text)."""
+        self.tokens = 0
+        """Tokens in this record's chunks."""
+        self.generation = generation
+        self.events: deque[worker_pb2.WorkerEvent] = deque()
+        self.evicted = 0
+        self.bytes = 0
+        self.max_bytes = max_bytes
+        self.done = False
+        self.cancelled = False
+        self.finished_at = 0.0
+        self.attached = 0
+        self.detached_at = time.monotonic()
+        self.changed = asyncio.Condition()
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def total(self) -> int:
+        """Events produced so far (kept or evicted)."""
+        return self.evicted + len(self.events)
+
+    async def append(self, event: worker_pb2.WorkerEvent) -> None:
+        """Add an event, evicting the oldest beyond the byte budget; wake readers."""
+        if event.WhichOneof("event") != "error":
+            event.seq = self.first_seq + self.total
+        size = event.ByteSize()
+        self.events.append(event)
+        self.bytes += size
+        while self.bytes > self.max_bytes and len(self.events) > 1:
+            self.bytes -= self.events.popleft().ByteSize()
+            self.evicted += 1
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def finish(self) -> None:
+        """Mark done (no more events) and wake readers."""
+        self.done = True
+        self.finished_at = time.monotonic()
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def stream(self, after_seq: int) -> AsyncIterator[worker_pb2.WorkerEvent]:
+        """Events with seq > after_seq (and a final error), then live ones until done."""
+        position = after_seq - self.first_seq + 1
+        if position < 0:
+            raise OutOfRange(
+                f"this worker holds generation {self.request_id} from seq {self.first_seq} on; "
+                f"seq {after_seq + 1} to {self.first_seq - 1} came from a worker that is gone"
+            )
+        if position > self.total:
+            raise OutOfRange(f"after_seq {after_seq} is beyond the last seq sent, {self.first_seq + self.total - 1}")
+        if position < self.evicted:
+            raise OutOfRange(
+                f"events before seq {self.first_seq + self.evicted} are no longer kept (replay buffer is "
+                f"{self.max_bytes} bytes); resume from after_seq >= {self.first_seq + self.evicted - 1}"
+            )
+        self.attached += 1
+        try:
+            while True:
+                while position < self.total:
+                    if position < self.evicted:
+                        raise ResourceExhausted(
+                            f"reader too slow: generation {self.request_id} ran more than {self.max_bytes} "
+                            "bytes ahead of it; read faster, or Resume from the last seq received"
+                        )
+                    event = self.events[position - self.evicted]
+                    position += 1
+                    yield event
+                    if not event.seq:
+                        return  # an error ends the stream
+                if self.done:
+                    return
+                async with self.changed:
+                    if not self.done and position >= self.total:
+                        await self.changed.wait()
+        finally:
+            self.attached -= 1
+            if not self.attached:
+                self.detached_at = time.monotonic()
+
+
+class Registry:
+    """Records by request_id, their pump tasks, and garbage collection."""
+
+    def __init__(self, grace_s: float, max_bytes: int, on_settled: Callable[[Record], None]) -> None:
+        self.grace_s = grace_s
+        self.max_bytes = max_bytes
+        self.records: dict[str, Record] = {}
+        self._on_settled = on_settled
+        self._gc: asyncio.Task[None] | None = None
+
+    def start(self, request_id: str, first_seq: int, tokens_before: int, generation: Generation) -> Record:
+        """Register and start pumping a generation (replacing a stale one by the same id)."""
+        old = self.records.pop(request_id, None)
+        if old is not None:
+            self._stop(old)
+        record = Record(request_id, first_seq, tokens_before, generation, self.max_bytes)
+        self.records[request_id] = record
+        record.task = asyncio.create_task(self._pump(record))
+        if self._gc is None:
+            self._gc = asyncio.create_task(self._collect())
+        return record
+
+    def get(self, request_id: str) -> Record:
+        """The record by id, or NotFound."""
+        record = self.records.get(request_id)
+        if record is None:
+            raise NotFound(
+                f"no generation {request_id!r} here (never started, cancelled, or its "
+                f"{self.grace_s:g} s resume grace period is over)"
+            )
+        return record
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop and forget a generation; False when unknown."""
+        record = self.records.pop(request_id, None)
+        if record is None:
+            return False
+        self._stop(record)
+        return True
+
+    @staticmethod
+    def _stop(record: Record) -> None:
+        record.cancelled = True
+        record.generation.cancel()
+
+    async def _pump(self, record: Record) -> None:
+        try:
+            async for event in record.generation:
+                if isinstance(event, Delta):
+                    record.tokens += event.tokens
+                    chunk = worker_pb2.TokenChunk(text=event.text, token_count=event.tokens)
+                    await record.append(worker_pb2.WorkerEvent(chunk=chunk))
+                    continue
+                before = record.tokens_before
+                usage = inference_pb2.Usage(
+                    # A continuation's prompt holds the text earlier workers delivered.
+                    prompt_tokens=max(0, event.prompt_tokens - before),
+                    completion_tokens=before + event.completion_tokens,
+                )
+                reason = FINISH_REASONS.get(event.reason, inference_pb2.FINISH_REASON_STOP)
+                extra = max(0, event.completion_tokens - record.tokens)
+                end = worker_pb2.GenerationEnd(finish_reason=reason, usage=usage, token_count=extra)
+                await record.append(worker_pb2.WorkerEvent(end=end))
+                break
+        except BackendError as error:
+            log.warning("generation %s failed (%s): %s", record.request_id, error.error_class, error.message)
+            err = worker_pb2.GenerationError(error_class=error.error_class, message=error.message)
+            await record.append(worker_pb2.WorkerEvent(error=err))
+        except asyncio.CancelledError:
+            record.generation.cancel()
+            raise
+        finally:
+            await record.finish()
+            self._on_settled(record)
+
+    async def _collect(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.grace_s / 4))
+            now = time.monotonic()
+            for request_id, record in list(self.records.items()):
+                if record.attached:
+                    continue
+                idle_since = max(record.finished_at, record.detached_at) if record.done else record.detached_at
+                if now - idle_since > self.grace_s:
+                    log.info("dropping generation %s: nobody attached for %g s", request_id, self.grace_s)
+                    self.records.pop(request_id, None)
+                    self._stop(record)
+
+    async def close(self) -> None:
+        """Cancel every generation and the collector."""
+        for record in list(self.records.values()):
+            self._stop(record)
+        tasks = [r.task for r in self.records.values() if r.task is not None]
+        if self._gc is not None:
+            tasks.append(self._gc)
+            self._gc.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, 5)
+        self.records.clear()
