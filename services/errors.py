@@ -91,6 +91,7 @@ ERROR_CLASS_TO_EXCEPTION: dict[worker_pb2.ErrorClass, type[MeshError]] = {
     worker_pb2.ERROR_CLASS_TIMEOUT: DeadlineExceeded,
     worker_pb2.ERROR_CLASS_OUT_OF_MEMORY: Unavailable,
     worker_pb2.ERROR_CLASS_BACKEND: Internal,
+    worker_pb2.ERROR_CLASS_DEVICE_LOST: Unavailable,
 }
 
 # Error classes that say nothing bad about the worker: the caller must act.
@@ -101,7 +102,12 @@ CALLER_ERROR_CLASSES = frozenset({worker_pb2.ERROR_CLASS_INVALID_REQUEST, worker
 _BACKEND_PATTERNS: tuple[tuple[re.Pattern[str], worker_pb2.ErrorClass], ...] = tuple(
     (re.compile(p, re.IGNORECASE), c)
     for p, c in (
-        (r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|OOM", worker_pb2.ERROR_CLASS_OUT_OF_MEMORY),
+        (r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|\bOOM\b",
+         worker_pb2.ERROR_CLASS_OUT_OF_MEMORY),
+        (r"illegal memory access|unspecified launch failure|CUDA_ERROR_LAUNCH_FAILED|cudaErrorLaunchFailure|"
+         r"device-side assert|uncorrectable ECC|CUDA_ERROR_ECC_UNCORRECTABLE|\bXid\b|GPU is lost|"
+         r"CUDA driver (error|version)|CUDA error: unknown error",
+         worker_pb2.ERROR_CLASS_DEVICE_LOST),
         (r"exceeds the available context size|invalid request|invalid_request_error|"
          r"maximum context length|must be (greater|less|positive|a)|unexpected inference input",
          worker_pb2.ERROR_CLASS_INVALID_REQUEST),

@@ -37,6 +37,8 @@ class MeshConfig:
     """llama.cpp threads per worker; 0 = the machine's cores divided by workers."""
     slots: int = 0
     """Concurrent generations per worker; 0 keeps the model's value."""
+    model_repository: str = ""
+    """Triton model repository for every worker; empty = the shipped SmolLM2 model."""
     log_dir: str = ""
     """Write each service's log to <log_dir>/<name>.log; empty = our stderr."""
     start_timeout_s: float = 240.0
@@ -143,6 +145,8 @@ class Mesh:
                         "--work-dir", str(self.run_dir / f"worker-{i}")]
                 if cfg.slots:
                     args += ["--slots", str(cfg.slots)]
+                if cfg.model_repository:
+                    args += ["--model-repository", cfg.model_repository]
                 self.workers.append(self.spawn(f"worker-{i}", "worker", *args))
             self.wait_ready(self.workers)
             addresses = ",".join(w.address for w in self.workers)

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -127,10 +127,24 @@ class ServiceHost:
         for name in ["", *self._names]:
             await self.health.set(name, status)
 
-    async def stop(self, grace: float) -> None:
-        """NOT_SERVING, then stop accepting and let calls finish within grace."""
+    async def stop(self, grace: float, busy: Callable[[], bool] | None = None) -> None:
+        """NOT_SERVING, stop accepting calls, let running ones finish within grace, then end the rest.
+
+        With ``busy``, only the calls it reports (e.g. generations) are waited
+        for: long-lived streams such as weight pushes and health watches would
+        otherwise hold every stop for the whole grace period.
+        """
         await self.set_serving(False)
-        await self.server.stop(grace)
+        if busy is None:
+            await self.server.stop(grace)
+            return
+        stopping = asyncio.create_task(self.server.stop(grace))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while busy() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await self.server.stop(0)
+        await stopping
 
 
 def write_ready_file(path: str | None, **info: Any) -> None:

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 MIN_WEIGHT = 0.05
 """Weight of a serving worker with no free slot (or stale stats): still picked, rarely."""
+OOM_PENALTY_S = 30.0
+"""For this long after a worker reports a device OOM its weight is halved."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +65,8 @@ class WorkerView:
     stats_at: float = 0.0
     rtt_s: float | None = None
     error: str = "not contacted yet"
+    oom_at: float = -1e9
+    """When the worker's oom_total last rose (time.monotonic())."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,13 @@ def compute_weight(view: WorkerView, now: float, stale_after_s: float) -> Weight
         return Weight(MIN_WEIGHT, router_pb2.WORKER_STATE_SERVING, "serving, stats stale")
     limit = max(stats.concurrency_limit, 1)
     free = max(limit - stats.in_flight, 0)
-    weight = max(round(free / limit, 2), MIN_WEIGHT)
-    return Weight(weight, router_pb2.WORKER_STATE_SERVING, f"serving, {free}/{limit} slots free")
+    weight = free / limit
+    reason = f"serving, {free}/{limit} slots free"
+    since_oom = now - view.oom_at
+    if since_oom < OOM_PENALTY_S:
+        weight /= 2
+        reason += f", device out of memory {since_oom:.0f} s ago"
+    return Weight(max(round(weight, 2), MIN_WEIGHT), router_pb2.WORKER_STATE_SERVING, reason)
 
 
 @dataclass
@@ -151,6 +160,8 @@ class Prober:
                     if stats is grpc.aio.EOF:
                         raise ConnectionError("stats stream ended")
                     view.rtt_s = time.monotonic() - sent
+                    if view.stats is not None and stats.oom_total > view.stats.oom_total:
+                        view.oom_at = time.monotonic()
                     view.stats = stats
                     view.stats_at = time.monotonic()
                     # A worker that was stopped (SIGSTOP) keeps its health stream

@@ -23,6 +23,7 @@ from tokenmesh.errors import (
     InvalidArgument,
     NotFound,
     OutOfRange,
+    ResourceExhausted,
     Unavailable,
     from_generation_error,
 )
@@ -250,6 +251,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         call = stub.Generate(timeout=context.time_remaining())
         live.call = call
         timeout = self._config.ttft_timeout_s
+        received = False
         finished = False
         detach = False
         start = worker_pb2.WorkerCommand(start=forward, first_seq=progress.seq + 1, tokens_before=progress.tokens)
@@ -265,6 +267,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 if event is grpc.aio.EOF:
                     raise _WorkerFailed("worker closed the stream without an end")
                 timeout = self._config.stall_timeout_s
+                received = True
                 kind = event.WhichOneof("event")
                 if kind == "error":
                     finished = True
@@ -289,6 +292,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 raise DeadlineExceeded("the deadline passed before the generation finished") from exc
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
                 raise InvalidArgument(exc.details() or str(code)) from exc
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and received:
+                # Mid-stream: the caller reads too slowly (the worker's replay buffer overflowed).
+                raise ResourceExhausted(exc.details() or "caller too slow") from exc
             raise _WorkerFailed(f"{code.name}: {exc.details()}") from exc
         except (asyncio.CancelledError, GeneratorExit):
             detach = resumable  # the caller went away
@@ -508,7 +514,7 @@ class Router:
         if self._stopped:
             return
         self._stopped = True
-        await self.host.stop(grace=self.config.drain_grace_s)
+        await self.host.stop(grace=self.config.drain_grace_s, busy=lambda: bool(self.inference.live))
         for task in [*self._watchers.values(), *([self._adder] if self._adder else [])]:
             task.cancel()
         for channel in self._channels.values():

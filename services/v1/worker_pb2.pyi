@@ -17,6 +17,7 @@ class ErrorClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CLASS_OUT_OF_MEMORY: _ClassVar[ErrorClass]
     ERROR_CLASS_BACKEND: _ClassVar[ErrorClass]
     ERROR_CLASS_MODEL_NOT_FOUND: _ClassVar[ErrorClass]
+    ERROR_CLASS_DEVICE_LOST: _ClassVar[ErrorClass]
 ERROR_CLASS_UNSPECIFIED: ErrorClass
 ERROR_CLASS_INVALID_REQUEST: ErrorClass
 ERROR_CLASS_UNAVAILABLE: ErrorClass
@@ -24,6 +25,7 @@ ERROR_CLASS_TIMEOUT: ErrorClass
 ERROR_CLASS_OUT_OF_MEMORY: ErrorClass
 ERROR_CLASS_BACKEND: ErrorClass
 ERROR_CLASS_MODEL_NOT_FOUND: ErrorClass
+ERROR_CLASS_DEVICE_LOST: ErrorClass
 
 class WorkerCommand(_message.Message):
     __slots__ = ("start", "cancel", "first_seq", "tokens_before")
@@ -110,7 +112,7 @@ class DeviceStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., utilization_percent: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("ping_id", "in_flight", "concurrency_limit", "serving", "served_total", "tokens_total", "devices", "triton_url")
+    __slots__ = ("ping_id", "in_flight", "concurrency_limit", "serving", "served_total", "tokens_total", "devices", "triton_url", "oom_total", "backend_restarts", "state_reason")
     PING_ID_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     CONCURRENCY_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +121,9 @@ class WorkerStats(_message.Message):
     TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     TRITON_URL_FIELD_NUMBER: _ClassVar[int]
+    OOM_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     ping_id: int
     in_flight: int
     concurrency_limit: int
@@ -127,18 +132,23 @@ class WorkerStats(_message.Message):
     tokens_total: int
     devices: _containers.RepeatedCompositeFieldContainer[DeviceStats]
     triton_url: str
-    def __init__(self, ping_id: _Optional[int] = ..., in_flight: _Optional[int] = ..., concurrency_limit: _Optional[int] = ..., serving: _Optional[bool] = ..., served_total: _Optional[int] = ..., tokens_total: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStats, _Mapping]]] = ..., triton_url: _Optional[str] = ...) -> None: ...
+    oom_total: int
+    backend_restarts: int
+    state_reason: str
+    def __init__(self, ping_id: _Optional[int] = ..., in_flight: _Optional[int] = ..., concurrency_limit: _Optional[int] = ..., serving: _Optional[bool] = ..., served_total: _Optional[int] = ..., tokens_total: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStats, _Mapping]]] = ..., triton_url: _Optional[str] = ..., oom_total: _Optional[int] = ..., backend_restarts: _Optional[int] = ..., state_reason: _Optional[str] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("models", "triton_url", "cuda_visible_devices")
+    __slots__ = ("models", "triton_url", "cuda_visible_devices", "triton_pid")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     TRITON_URL_FIELD_NUMBER: _ClassVar[int]
     CUDA_VISIBLE_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    TRITON_PID_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[_inference_pb2.ModelInfo]
     triton_url: str
     cuda_visible_devices: str
-    def __init__(self, models: _Optional[_Iterable[_Union[_inference_pb2.ModelInfo, _Mapping]]] = ..., triton_url: _Optional[str] = ..., cuda_visible_devices: _Optional[str] = ...) -> None: ...
+    triton_pid: int
+    def __init__(self, models: _Optional[_Iterable[_Union[_inference_pb2.ModelInfo, _Mapping]]] = ..., triton_url: _Optional[str] = ..., cuda_visible_devices: _Optional[str] = ..., triton_pid: _Optional[int] = ...) -> None: ...

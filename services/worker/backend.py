@@ -7,6 +7,7 @@ runs. Tests of the worker's own logic may implement :class:`Backend` in memory.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -101,6 +102,15 @@ class Backend(abc.ABC):
         """Release the engine; idempotent."""
 
     @abc.abstractmethod
+    async def restart(self) -> None:
+        """Bring a crashed or broken engine back (running generations fail); return once ready."""
+
+    async def failed(self) -> str:
+        """Wait until the engine dies by itself; return why. Never returns for engines that cannot tell."""
+        await asyncio.Event().wait()
+        return ""
+
+    @abc.abstractmethod
     def models(self) -> list[ModelSpec]:
         """Models served (valid after start)."""
 
@@ -111,6 +121,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def ready(self) -> bool:
         """True while the engine can take generations."""
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the engine process this backend started; None when it started none."""
+        return None
 
     @property
     @abc.abstractmethod

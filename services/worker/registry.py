@@ -59,6 +59,8 @@ class Record:
         self.detached_at = time.monotonic()
         self.changed = asyncio.Condition()
         self.task: asyncio.Task[None] | None = None
+        self.shed_reason = ""
+        """Set when the worker sheds this generation: it ends in a retryable error, not CANCELLED."""
 
     @property
     def total(self) -> int:
@@ -128,11 +130,18 @@ class Record:
 class Registry:
     """Records by request_id, their pump tasks, and garbage collection."""
 
-    def __init__(self, grace_s: float, max_bytes: int, on_settled: Callable[[Record], None]) -> None:
+    def __init__(
+        self,
+        grace_s: float,
+        max_bytes: int,
+        on_settled: Callable[[Record], None],
+        on_error: Callable[[Record, BackendError], None] = lambda record, error: None,
+    ) -> None:
         self.grace_s = grace_s
         self.max_bytes = max_bytes
         self.records: dict[str, Record] = {}
         self._on_settled = on_settled
+        self._on_error = on_error
         self._gc: asyncio.Task[None] | None = None
 
     def start(self, request_id: str, first_seq: int, tokens_before: int, generation: Generation) -> Record:
@@ -165,6 +174,12 @@ class Registry:
         self._stop(record)
         return True
 
+    def shed(self, record: Record, reason: str) -> None:
+        """Stop a generation so that it ends in a retryable error (the router runs it elsewhere)."""
+        record.shed_reason = reason
+        self.records.pop(record.request_id, None)
+        record.generation.cancel()
+
     @staticmethod
     def _stop(record: Record) -> None:
         record.cancelled = True
@@ -178,6 +193,8 @@ class Registry:
                     chunk = worker_pb2.TokenChunk(text=event.text, token_count=event.tokens)
                     await record.append(worker_pb2.WorkerEvent(chunk=chunk))
                     continue
+                if event.reason == "cancelled" and record.shed_reason:
+                    raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, record.shed_reason)
                 before = record.tokens_before
                 usage = inference_pb2.Usage(
                     # A continuation's prompt holds the text earlier workers delivered.
@@ -193,6 +210,7 @@ class Registry:
             log.warning("generation %s failed (%s): %s", record.request_id, error.error_class, error.message)
             err = worker_pb2.GenerationError(error_class=error.error_class, message=error.message)
             await record.append(worker_pb2.WorkerEvent(error=err))
+            self._on_error(record, error)
         except asyncio.CancelledError:
             record.generation.cancel()
             raise

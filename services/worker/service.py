@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,14 +16,19 @@ from typing import Any
 import grpc
 
 from tokenmesh.config import check, setting
-from tokenmesh.errors import InvalidArgument, NotFound, Unavailable
+from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from tokenmesh.server import ServiceHost, install_signal_handlers, write_ready_file
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
-from tokenmesh.worker.backend import Backend, GenerationParams, ModelSpec
+from tokenmesh.worker.backend import Backend, BackendError, GenerationParams, ModelSpec
 from tokenmesh.worker.devices import DeviceReader, nvml_reader
 from tokenmesh.worker.registry import Record, Registry
 
 log = logging.getLogger(__name__)
+
+QUEUE_FACTOR = 4
+"""Generations admitted per model slot (the rest wait in the engine's queue)."""
+OOM_RECOVERY_S = 10.0
+"""After a device OOM the admission limit grows back by one per this many seconds."""
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
@@ -68,13 +74,45 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._backend = backend
         self._devices = devices
         self._cuda_visible_devices = cuda_visible_devices
-        self.registry = Registry(resume_grace_s, replay_buffer_bytes, self._settled)
+        self.registry = Registry(resume_grace_s, replay_buffer_bytes, self._settled, self._failed)
         self.serving = False
+        self.state_reason = "starting"
         self.in_flight = 0
         self.served_total = 0
         self.tokens_total = 0
+        self.oom_total = 0
+        self.backend_restarts = 0
+        self.limit: int | None = None
+        """Admission limit while lowered after a device OOM; None = QUEUE_FACTOR x slots."""
+        self.last_oom = 0.0
+        self.device_lost = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
+
+    def admission_limit(self) -> int:
+        """Most generations accepted at once: the slots plus a queue as deep, or less after an OOM."""
+        full = QUEUE_FACTOR * self.slots()
+        if self.limit is None:
+            return full
+        # Additive increase: one more every OOM_RECOVERY_S without another OOM.
+        grown = self.limit + int((time.monotonic() - self.last_oom) / OOM_RECOVERY_S)
+        if grown >= full:
+            self.limit = None
+            return full
+        return grown
+
+    def _failed(self, record: Record, error: BackendError) -> None:
+        if error.error_class == worker_pb2.ERROR_CLASS_OUT_OF_MEMORY:
+            self.oom_total += 1
+            self.last_oom = time.monotonic()
+            # Multiplicative decrease from what was running when memory ran out.
+            self.limit = max(1, min(self.admission_limit(), self.in_flight) // 2)
+            waiting = [r for r in self.registry.records.values() if r.total == 0 and not r.done]
+            for victim in waiting[max(0, self.limit - (self.in_flight - len(waiting))):]:
+                self.registry.shed(victim, "shed: the worker ran out of device memory; run it elsewhere")
+            log.warning("device out of memory: admission limit now %d (%d OOMs)", self.limit, self.oom_total)
+        elif error.error_class == worker_pb2.ERROR_CLASS_DEVICE_LOST:
+            self.device_lost.set()
 
     def _settled(self, record: Record) -> None:
         self.in_flight -= 1
@@ -95,9 +133,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 return spec
         raise NotFound(f"model {name!r} is not served here; served: {', '.join(m.name for m in models)}")
 
-    def concurrency_limit(self) -> int:
-        """Generations the worker runs at once (sum of model slots)."""
+    def slots(self) -> int:
+        """Generations the models run at once (sum of their slots)."""
         return sum(spec.slots for spec in self._backend.models()) or 1
+
+    def concurrency_limit(self) -> int:
+        """Generations the worker runs well at once: its slots, fewer after a device OOM."""
+        return min(self.slots(), self.admission_limit())
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[worker_pb2.WorkerCommand], context: grpc.aio.ServicerContext[Any, Any]
@@ -115,6 +157,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         req = first.start
         if not req.request_id:
             raise InvalidArgument("start.request_id is required (the router assigns one)")
+        if self.in_flight >= self.admission_limit():
+            lowered = " (lowered after a device out-of-memory)" if self.limit is not None else ""
+            raise ResourceExhausted(f"worker is at its limit of {self.admission_limit()} generations{lowered}")
         spec = self._model(req.model)
         params = GenerationParams(
             model=spec.name,
@@ -184,6 +229,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 in_flight=self.in_flight,
                 concurrency_limit=self.concurrency_limit(),
                 serving=self.serving,
+                oom_total=self.oom_total,
+                backend_restarts=self.backend_restarts,
+                state_reason=self.state_reason,
                 served_total=self.served_total,
                 tokens_total=self.tokens_total,
                 devices=devices,
@@ -202,6 +250,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             ],
             triton_url=self._backend.endpoint,
             cuda_visible_devices=self._cuda_visible_devices,
+            triton_pid=self._backend.pid or 0,
         )
 
 
@@ -261,16 +310,16 @@ class Worker:
         await self.backend.start()
         await self._warm_up()
         self.servicer.serving = True
+        self.servicer.state_reason = "serving"
         await self.host.set_serving(True)
-        self._monitor = asyncio.create_task(self._watch_backend())
+        self._monitor = asyncio.create_task(self._supervise_backend())
         log.info("worker SERVING on %s (Triton %s)", self.host.address, self.backend.endpoint)
-        process = getattr(self.backend, "process", None)
         write_ready_file(
             self.config.ready_file,
             address=self.host.address,
             triton_url=self.backend.endpoint,
             pid=os.getpid(),
-            triton_pid=process.pid if process else None,
+            triton_pid=self.backend.pid,
         )
 
     async def _warm_up(self) -> None:
@@ -278,31 +327,55 @@ class Worker:
         async for _ in self.backend.generate(GenerationParams(model=spec.name, prompt="Hello", max_tokens=2)):
             pass
 
-    async def _watch_backend(self) -> None:
-        # Without a live backend the worker must say so at once, so the prober
-        # sets its weight to 0 and routers stop sending it work.
-        process = getattr(self.backend, "process", None)
-        if process is None:
-            return
-        code = await process.wait()
-        if not self._stopped:
-            log.error("tritonserver exited with %s; worker NOT_SERVING\n%s", code, process.log_tail())
-            self.servicer.serving = False
+    async def _supervise_backend(self) -> None:
+        """Restart the backend when it dies or loses its device; SERVING only once it answers again."""
+        servicer = self.servicer
+        while True:
+            died = asyncio.create_task(self.backend.failed())
+            lost = asyncio.create_task(servicer.device_lost.wait())
+            try:
+                done, _ = await asyncio.wait({died, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                died.cancel()
+                lost.cancel()
+            reason = died.result() if died in done else "the device context was lost"
+            servicer.device_lost.clear()
+            log.error("backend failed (%s); NOT_SERVING while it restarts", reason.splitlines()[0])
+            servicer.serving = False
+            servicer.state_reason = f"restarting backend: {reason.splitlines()[0]}"
             await self.host.set_serving(False)
+            backoff = 1.0
+            while True:
+                try:
+                    await self.backend.restart()
+                    await self._warm_up()  # the probe generation
+                    break
+                except Exception as exc:  # noqa: BLE001 - keep trying; the state says why
+                    log.error("backend restart failed: %s; retrying in %.0f s", exc, backoff)
+                    servicer.state_reason = f"backend restart failed: {str(exc).splitlines()[0]}"
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 30.0)
+            servicer.backend_restarts += 1
+            servicer.serving = True
+            servicer.state_reason = "serving"
+            await self.host.set_serving(True)
+            log.info("backend restarted (%d so far); SERVING again on Triton %s",
+                     servicer.backend_restarts, self.backend.endpoint)
 
     async def stop(self) -> None:
         """Drain (NOT_SERVING, finish in-flight within the grace period), then stop. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
+        if self._monitor is not None:
+            self._monitor.cancel()
         self.servicer.serving = False
+        self.servicer.state_reason = "draining"
         await self.host.set_serving(False)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.servicer.idle.wait(), self.config.drain_grace_s)
         await self.host.stop(grace=1.0)
         await self.servicer.registry.close()
-        if self._monitor is not None:
-            self._monitor.cancel()
         await self.backend.stop()
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -345,6 +345,11 @@ class TritonBackend(Backend):
         """Triton's gRPC host:port."""
         return self.process.url if self.process else (self.config.url or "")
 
+    @property
+    def pid(self) -> int | None:
+        """PID of our tritonserver (None over an external Triton)."""
+        return self.process.pid if self.process else None
+
     async def start(self) -> None:
         """Start (or reach) Triton and wait until every model is READY."""
         if self.process is not None:
@@ -406,6 +411,24 @@ class TritonBackend(Backend):
         if self._client is None:
             raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, "Triton backend is not started")
         return TritonGeneration(self._client, params)
+
+    async def failed(self) -> str:
+        """Wait for our tritonserver to exit; return its exit code as the reason."""
+        if self.process is None:
+            return await super().failed()
+        code = await self.process.wait()
+        return f"tritonserver exited with {code}\n{self.process.log_tail(5)}"
+
+    async def restart(self) -> None:
+        """Restart our tritonserver (new ports), or reload the models of an external one."""
+        if self.process is not None:
+            await self.stop()
+            await self.start()
+            return
+        assert self._client is not None
+        for spec in self._models:
+            await self._client.load_model(spec.name)
+        await self.start()
 
     async def stop(self) -> None:
         """Close the client and stop our Triton (if we started it)."""

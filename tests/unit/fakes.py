@@ -36,6 +36,10 @@ class FakeGeneration(Generation):
             raise BackendError(worker_pb2.ERROR_CLASS_INVALID_REQUEST, "request exceeds the available context size")
         if prompt.startswith("fail-backend"):
             raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, "Stub process is not healthy")
+        if self.backend.fault_once is not None:
+            error_class, message = self.backend.fault_once
+            self.backend.fault_once = None
+            raise BackendError(error_class, message)
         prefilled = params.prompt if params.prompt else (prompt if params.messages[-1][0] == "assistant" else "")
         first = prefilled.count("tok")
         for i in range(params.max_tokens):
@@ -62,12 +66,19 @@ class FakeBackend(Backend):
         self.started: list[FakeGeneration] = []
         self._spec = ModelSpec(name=name, max_context=max_context, slots=4)
         self.running = False
+        self.restarts = 0
+        self.fault_once: tuple[int, str] | None = None
+        """The next generation on this backend fails with (error_class, message)."""
 
     async def start(self) -> None:
         self.running = True
 
     async def stop(self) -> None:
         self.running = False
+
+    async def restart(self) -> None:
+        self.restarts += 1
+        self.running = True
 
     def models(self) -> list[ModelSpec]:
         return [self._spec]

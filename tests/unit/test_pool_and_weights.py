@@ -107,3 +107,12 @@ def test_weight_follows_free_capacity() -> None:
 def test_stale_stats_count_as_saturated() -> None:
     w = compute_weight(view(concurrency_limit=4, in_flight=0), 102.0, 1.0)
     assert w.weight == MIN_WEIGHT and "stale" in w.reason
+
+
+def test_a_recent_device_oom_halves_the_weight() -> None:
+    v = view(concurrency_limit=4, in_flight=0)
+    v.oom_at = 95.0
+    w = compute_weight(v, 100.0, 10.0)
+    assert w.weight == 0.5 and "out of memory 5 s ago" in w.reason
+    v.oom_at = 0.0
+    assert compute_weight(v, 100.0, 200.0).weight == 1.0
