@@ -108,13 +108,9 @@ class WorkerPool:
             raise NotFound(f"unknown model {name!r}; available: {', '.join(sorted(models))}")
         return models[name][0]
 
-    def pick(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> WorkerEntry:
+    def pick(self, model: str) -> WorkerEntry:
         """A live worker serving model, by power of two weighted choices."""
-        candidates = [
-            e
-            for e in self.entries.values()
-            if e.address not in exclude and model in e.models and self.effective_weight(e) > 0
-        ]
+        candidates = [e for e in self.entries.values() if model in e.models and self.effective_weight(e) > 0]
         if not candidates:
             raise Unavailable(f"no live worker serves model {model!r} now; retry shortly")
         if len(candidates) > 2:

@@ -54,7 +54,8 @@ class RouterConfig:
     max_prompt_bytes: int = setting(1024 * 1024, "largest prompt (or sum of message contents) accepted, in bytes")
     ttft_timeout_s: float = setting(30.0, "a worker that sends no first chunk within this is failed over")
     stall_timeout_s: float = setting(5.0, "a worker silent this long between chunks is failed over")
-    max_migrations: int = setting(3, "times one generation may move to another worker after output began")
+    max_migrations: int = setting(3, "times one generation may move to (or be retried on) another worker")
+    failover_wait_s: float = setting(30.0, "how long a stream whose worker failed waits for another live worker")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
     ready_file: str = setting("", "write {address, pid} as JSON here once SERVING")
 
@@ -64,6 +65,7 @@ class RouterConfig:
         check(self.ttft_timeout_s > 0, f"ttft_timeout_s must be > 0, got {self.ttft_timeout_s}")
         check(self.stall_timeout_s > 0, f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         check(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
+        check(self.failover_wait_s >= 0, f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
         check(self.default_max_tokens > 0, f"default_max_tokens must be > 0, got {self.default_max_tokens}")
         check(self.max_prompt_bytes > 0, f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         for address in self.workers:
@@ -190,7 +192,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             base.max_tokens = min(self._config.default_max_tokens, model.max_context)
         live = self.live[request_id] = _Live()
         progress = _Progress()
-        tried: set[str] = set()
+        attempts = 0
         try:
             while True:
                 forward = _continuation(base, progress)
@@ -202,7 +204,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         usage=inference_pb2.Usage(completion_tokens=progress.tokens),
                     )
                     return
-                entry = self._pool.pick(model.name, exclude=tried)
+                # Workers that just failed are avoided (suspended) for a while; the
+                # first attempt fails fast when no worker is live, a failover waits.
+                entry = await self._pick(model.name, context, wait=attempts > 0)
+                attempts += 1
                 try:
                     relay = self._relay(entry, forward, live, context, progress, resumable=bool(request.request_id))
                     async with contextlib.aclosing(relay):
@@ -210,23 +215,40 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             yield chunk
                     return
                 except _WorkerFailed as failure:
-                    tried.add(entry.address)
                     self._pool.suspend(entry, self._config.stall_timeout_s, str(failure))
+                    if attempts > self._config.max_migrations:
+                        raise Unavailable(
+                            f"generation {request_id} failed on {attempts} workers; last: {failure}"
+                        ) from failure
                     if progress.seq == 0:
                         # Nothing reached the caller yet: simply run it elsewhere.
                         log.warning("worker %s could not start %s: %s", entry.address, request_id, failure)
                         continue
                     progress.migrations += 1
-                    if progress.migrations > self._config.max_migrations:
-                        raise Unavailable(
-                            f"generation {request_id} failed on {progress.migrations} workers; last: {failure}"
-                        ) from failure
                     log.warning(
                         "worker %s failed %s after seq %d (%s); continuing on another worker",
                         entry.address, request_id, progress.seq, failure,
                     )
         finally:
             del self.live[request_id]
+
+    async def _pick(self, model: str, context: grpc.aio.ServicerContext[Any, Any], *, wait: bool) -> WorkerEntry:
+        """A worker for model; with wait, until one is live (failover_wait_s, within the deadline)."""
+        if not wait:
+            return self._pool.pick(model)
+        loop = asyncio.get_running_loop()
+        budget = self._config.failover_wait_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            budget = min(budget, remaining)
+        deadline = loop.time() + budget
+        while True:
+            try:
+                return self._pool.pick(model)
+            except Unavailable:
+                if loop.time() >= deadline:
+                    raise
+            await asyncio.sleep(0.1)
 
     async def _relay(
         self,
@@ -254,7 +276,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         received = False
         finished = False
         detach = False
-        start = worker_pb2.WorkerCommand(start=forward, first_seq=progress.seq + 1, tokens_before=progress.tokens)
+        start = worker_pb2.WorkerCommand(
+            start=forward, first_seq=progress.seq + 1, tokens_before=progress.tokens, resumable=resumable
+        )
         try:
             await call.write(start)
             if live.cancel_requested:
@@ -284,7 +308,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     continue
                 finished = True
                 entry.served_total += 1
-                yield _chunk(event, forward.request_id, forward.model)
+                final = _chunk(event, forward.request_id, forward.model)
+                final.migrations = progress.migrations
+                yield final
                 return
         except grpc.aio.AioRpcError as exc:
             code = exc.code()

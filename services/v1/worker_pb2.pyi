@@ -28,16 +28,18 @@ ERROR_CLASS_MODEL_NOT_FOUND: ErrorClass
 ERROR_CLASS_DEVICE_LOST: ErrorClass
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("start", "cancel", "first_seq", "tokens_before")
+    __slots__ = ("start", "cancel", "first_seq", "tokens_before", "resumable")
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
     TOKENS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     start: _inference_pb2.GenerateRequest
     cancel: CancelGeneration
     first_seq: int
     tokens_before: int
-    def __init__(self, start: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ..., first_seq: _Optional[int] = ..., tokens_before: _Optional[int] = ...) -> None: ...
+    resumable: bool
+    def __init__(self, start: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ..., first_seq: _Optional[int] = ..., tokens_before: _Optional[int] = ..., resumable: _Optional[bool] = ...) -> None: ...
 
 class CancelGeneration(_message.Message):
     __slots__ = ("reason",)

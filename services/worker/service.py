@@ -192,6 +192,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield event
         finally:
             watcher.cancel()
+            if not first.resumable and self.registry.records.get(req.request_id) is record:
+                if record.done:
+                    self.registry.records.pop(req.request_id)  # delivered; nobody will resume it
+                else:
+                    self.registry.cancel(req.request_id)  # its caller is gone
 
     async def Attach(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.AttachRequest, context: grpc.aio.ServicerContext[Any, Any]

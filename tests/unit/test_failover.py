@@ -31,6 +31,7 @@ async def test_worker_failing_mid_stream_is_continued_elsewhere(mesh: InProcessM
     mesh.backends[0].fail_after = 4  # the first pick fails after 4 tokens
     chunks = await collect(mesh, prompt="hello", max_tokens=12, seed=7)
     assert_exact(chunks, 12)
+    assert chunks[-1].migrations == 1
     first, second = mesh.backends[0].started[0], mesh.backends[1].started[0]
     assert first.params.max_tokens == 12 and first.params.prompt == "hello"
     # The continuation: prompt plus the delivered text, the rest of max_tokens, the same seed.
@@ -70,7 +71,7 @@ async def test_migration_limit_ends_the_stream_with_unavailable() -> None:
             async for chunk in call:
                 received.append(chunk)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "failed on 1 workers" in info.value.details()
+        assert "failed on 1 workers" in info.value.details()  # max_migrations=0: one attempt
         assert "".join(c.text for c in received) == expected_text(2)
 
 

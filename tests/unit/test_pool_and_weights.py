@@ -72,8 +72,10 @@ def test_older_tables_are_not_applied() -> None:
 
 def test_pick_errors() -> None:
     pool = pool_with("a:1")
+    pool.suspend(pool.entries["a:1"], 5, "stalled")
     with pytest.raises(Unavailable):
-        pool.pick("m", exclude={"a:1"})
+        pool.pick("m")
+    pool.entries["a:1"].suspended_until = 0
     with pytest.raises(NotFound):
         pool.resolve_model("other")
     assert pool.resolve_model("").name == "m"

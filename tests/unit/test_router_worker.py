@@ -9,7 +9,7 @@ import pytest
 
 from tokenmesh.v1 import inference_pb2, router_pb2
 
-from .conftest import InProcessMesh, wait_until
+from .conftest import InProcessMesh, in_process_mesh, wait_until
 
 
 async def collect(mesh: InProcessMesh, **fields) -> list[inference_pb2.GenerateChunk]:
@@ -34,6 +34,8 @@ async def test_sequential_generations_spread_over_both_workers(mesh: InProcessMe
     table = await mesh.operator.GetRoutingTable(router_pb2.GetRoutingTableRequest())
     assert sorted(w.served_total for w in table.workers) == [4, 4]
     assert all(w.in_flight == 0 for w in table.workers)
+    # Nothing per stream outlives it: without a caller-chosen id there is nothing to resume.
+    await wait_until(lambda: all(not w.servicer.registry.records for w in mesh.workers))
 
 
 @pytest.mark.parametrize(
@@ -127,13 +129,16 @@ async def test_cancel_rpc_ends_the_stream_with_cancelled(mesh: InProcessMesh) ->
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_worker_failure_before_first_chunk_is_retried_elsewhere(mesh: InProcessMesh) -> None:
+async def test_worker_failure_before_first_chunk_is_retried_elsewhere() -> None:
     # fail-backend fails on whichever worker gets it, so the retry also fails:
-    # the caller gets UNAVAILABLE only after both workers were tried.
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await collect(mesh, prompt="fail-backend")
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert sum(len([g for g in b.started if g.params.prompt == "fail-backend"]) for b in mesh.backends) == 2
+    # the caller gets UNAVAILABLE once both workers were tried (max_migrations=1).
+    async with in_process_mesh(max_migrations=1) as mesh:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh, prompt="fail-backend")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "failed on 2 workers" in info.value.details()
+        tried = [len([g for g in b.started if g.params.prompt == "fail-backend"]) for b in mesh.backends]
+        assert tried == [1, 1]
 
 
 async def test_backend_failure_does_not_count_caller_errors(mesh: InProcessMesh) -> None:

@@ -1,0 +1,84 @@
+"""Shared helpers for the benchmarks: a mesh to measure, streams, percentiles, RSS."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from tokenmesh.mesh import Mesh
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
+def wait_routable(mesh: Mesh, count: int, timeout: float = 60) -> None:
+    """Until the router has count workers with weight > 0."""
+    assert mesh.router is not None
+    with grpc.insecure_channel(mesh.router.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        deadline = time.monotonic() + timeout
+        while sum(w.weight > 0 for w in stub.GetRoutingTable(router_pb2.GetRoutingTableRequest()).workers) < count:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"fewer than {count} workers routable after {timeout:.0f} s")
+            time.sleep(0.1)
+
+
+@dataclass
+class StreamResult:
+    """What one client saw of one stream."""
+
+    chunks: int = 0
+    tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+    """Seconds between consecutive chunks."""
+    error: str = ""
+    seq_ok: bool = True
+    finish: int = 0
+    completion_tokens: int = 0
+    migrations: int = 0
+
+    @property
+    def interrupted(self) -> bool:
+        """Ended in an error, or with a seq gap, repeat, or lost tokens."""
+        return bool(self.error) or not self.seq_ok or self.finish == 0 or self.tokens != self.completion_tokens
+
+
+def run_stream(stub: inference_pb2_grpc.InferenceStub, request: inference_pb2.GenerateRequest,
+               timeout: float) -> StreamResult:
+    """Consume one Generate stream and check its seq and token accounting."""
+    result = StreamResult()
+    last = time.monotonic()
+    try:
+        for chunk in stub.Generate(request, timeout=timeout):
+            now = time.monotonic()
+            if result.chunks:
+                result.gaps.append(now - last)
+            last = now
+            result.chunks += 1
+            result.seq_ok &= chunk.seq == result.chunks
+            result.tokens += chunk.token_count
+            if chunk.finish_reason:
+                result.finish = chunk.finish_reason
+                result.completion_tokens = chunk.usage.completion_tokens
+                result.migrations = chunk.migrations
+    except grpc.RpcError as exc:
+        result.error = f"{exc.code().name}: {exc.details()}"
+    return result
