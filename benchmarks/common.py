@@ -29,6 +29,27 @@ def rss_mb(pid: int) -> float:
     return math.nan
 
 
+def tree_rss_mb(pid: int) -> float:
+    """RSS of a process and all its descendants (Triton and its Python backend stubs), MiB."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += rss_mb(current)
+        except OSError:
+            continue
+        todo.extend(children.get(current, []))
+    return total
+
+
 def wait_routable(mesh: Mesh, count: int, timeout: float = 60) -> None:
     """Until the router has count workers with weight > 0."""
     assert mesh.router is not None

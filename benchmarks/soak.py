@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from common import rss_mb, run_stream, wait_routable
+from common import rss_mb, run_stream, tree_rss_mb, wait_routable
 
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
@@ -28,7 +28,7 @@ def snapshot(mesh: Mesh) -> dict[str, float]:
     values = {"router": rss_mb(mesh.router.proc.pid)}
     for w in mesh.workers:
         values[w.name] = rss_mb(w.proc.pid)
-        values[f"{w.name} triton"] = rss_mb(int(w.info["triton_pid"]))
+        values[f"{w.name} triton+stub"] = tree_rss_mb(int(w.info["triton_pid"]))
     return values
 
 
@@ -71,9 +71,9 @@ def main() -> None:
 
     print(f"{args.streams} streams ({ok} ok) x {args.tokens} tokens at concurrency {args.concurrency} "
           f"in {elapsed:.1f} s ({args.streams / elapsed:.0f} streams/s), after {args.warmup} warm-up streams")
-    print(f"{'process':16} {'before MB':>10} {'after MB':>10} {'growth MB':>10} {'+35 s MB':>10}")
+    print(f"{'process':22} {'before MB':>10} {'after MB':>10} {'growth MB':>10} {'+35 s MB':>10}")
     for name in before:
-        print(f"{name:16} {before[name]:10.1f} {after[name]:10.1f} {after[name] - before[name]:10.1f} "
+        print(f"{name:22} {before[name]:10.1f} {after[name]:10.1f} {after[name] - before[name]:10.1f} "
               f"{settled[name]:10.1f}")
 
 

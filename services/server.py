@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import logging
 import os
+import signal
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -157,10 +159,25 @@ def write_ready_file(path: str | None, **info: Any) -> None:
     os.replace(tmp, target)
 
 
-def install_signal_handlers(stop: asyncio.Event) -> None:
-    """SIGTERM and SIGINT set ``stop`` (the service then drains and exits)."""
-    import signal
+class Service(abc.ABC):
+    """A service's lifecycle: start (ready when SERVING), stop (drain; idempotent), run."""
 
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Listen and become ready."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Drain and release everything; safe to call twice."""
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM or SIGINT, then stop."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await self.start()
+            await stop.wait()
+        finally:
+            await self.stop()

@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenmesh.config import check, csv, setting
-from tokenmesh.server import CHANNEL_OPTIONS, ServiceHost, install_signal_handlers, write_ready_file
+from tokenmesh.server import CHANNEL_OPTIONS, Service, ServiceHost, write_ready_file
 from tokenmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ def compute_weight(view: WorkerView, now: float, stale_after_s: float) -> Weight
     if not view.reachable:
         return Weight(0.0, router_pb2.WORKER_STATE_UNREACHABLE, f"unreachable: {view.error}")
     if not view.serving:
-        return Weight(0.0, router_pb2.WORKER_STATE_NOT_SERVING, "health NOT_SERVING")
+        why = view.stats.state_reason if view.stats is not None and view.stats.state_reason else ""
+        return Weight(0.0, router_pb2.WORKER_STATE_NOT_SERVING, f"health NOT_SERVING: {why or 'starting'}")
     stats = view.stats
     if stats is None or now - view.stats_at > stale_after_s:
         return Weight(MIN_WEIGHT, router_pb2.WORKER_STATE_SERVING, "serving, stats stale")
@@ -106,7 +107,7 @@ class _RouterLink:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class Prober:
+class Prober(Service):
     """Lifecycle of the prober: start, run, stop (idempotent)."""
 
     def __init__(self, config: ProberConfig) -> None:
@@ -278,12 +279,3 @@ class Prober:
             await channel.close()
         await self.host.stop(grace=0.5)
 
-    async def run(self) -> None:
-        """Start, run until SIGTERM/SIGINT, then stop."""
-        stop = asyncio.Event()
-        install_signal_handlers(stop)
-        try:
-            await self.start()
-            await stop.wait()
-        finally:
-            await self.stop()

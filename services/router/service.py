@@ -28,7 +28,7 @@ from tokenmesh.errors import (
     from_generation_error,
 )
 from tokenmesh.router.pool import WorkerEntry, WorkerPool
-from tokenmesh.server import CHANNEL_OPTIONS, ServiceHost, install_signal_handlers, write_ready_file
+from tokenmesh.server import CHANNEL_OPTIONS, Service, ServiceHost, write_ready_file
 from tokenmesh.v1 import (
     inference_pb2,
     inference_pb2_grpc,
@@ -466,7 +466,7 @@ class ControlServicer(router_pb2_grpc.ControlServicer):
             yield router_pb2.WeightAck(version=table.version, applied=applied)
 
 
-class Router:
+class Router(Service):
     """Lifecycle of one router: start, ready (SERVING), drain, stop."""
 
     def __init__(self, config: RouterConfig) -> None:
@@ -546,13 +546,4 @@ class Router:
         for channel in self._channels.values():
             await channel.close()
 
-    async def run(self) -> None:
-        """Start, serve until SIGTERM/SIGINT, then stop."""
-        stop = asyncio.Event()
-        install_signal_handlers(stop)
-        try:
-            await self.start()
-            await stop.wait()
-        finally:
-            await self.stop()
 

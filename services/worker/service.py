@@ -17,7 +17,7 @@ import grpc
 
 from tokenmesh.config import check, setting
 from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from tokenmesh.server import ServiceHost, install_signal_handlers, write_ready_file
+from tokenmesh.server import Service, ServiceHost, write_ready_file
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker.backend import Backend, BackendError, GenerationParams, ModelSpec
 from tokenmesh.worker.devices import DeviceReader, nvml_reader
@@ -259,7 +259,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
 
 
-class Worker:
+class Worker(Service):
     """Lifecycle of one worker: start, ready (SERVING), drain, stop."""
 
     def __init__(self, config: WorkerConfig, backend: Backend | None = None) -> None:
@@ -385,12 +385,3 @@ class Worker:
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    async def run(self) -> None:
-        """Start, serve until SIGTERM/SIGINT, then stop."""
-        stop = asyncio.Event()
-        install_signal_handlers(stop)
-        try:
-            await self.start()
-            await stop.wait()
-        finally:
-            await self.stop()

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
 import pytest
 
-from tokenmesh.v1 import inference_pb2, router_pb2
+from tokenmesh.router.service import Router, RouterConfig
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
+from tokenmesh.worker.service import Worker, WorkerConfig
 
-from .conftest import InProcessMesh, in_process_mesh
+from .conftest import InProcessMesh, in_process_mesh, wait_until
+from .fakes import FakeBackend
+from .tcp_proxy import TcpProxy
 
 
 async def collect(mesh: InProcessMesh, **fields) -> list[inference_pb2.GenerateChunk]:
@@ -82,3 +87,35 @@ async def test_every_token_delivered_but_end_lost_finishes_with_length(mesh: InP
     assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
     assert [c.seq for c in chunks] == list(range(1, 7))
     assert mesh.backends[1].started == []  # nothing left to generate elsewhere
+
+
+async def test_cut_connection_mid_stream_fails_over() -> None:
+    """A TCP proxy between router and one worker resets the connection mid-stream."""
+    backends = [FakeBackend(delay=0.02), FakeBackend(delay=0.02)]
+    workers = [Worker(WorkerConfig(port=0, drain_grace_s=1), backend=b) for b in backends]
+    for w in workers:
+        await w.start()
+    proxy = TcpProxy("127.0.0.1", workers[0].host.port)
+    await proxy.start()
+    router = Router(RouterConfig(port=0, workers=(proxy.address, workers[1].host.address), drain_grace_s=1))
+    await router.start()
+    try:
+        await wait_until(lambda: all(e.healthy and e.models for e in router.pool.entries.values()))
+        async with grpc.aio.insecure_channel(router.host.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            call = stub.Generate(inference_pb2.GenerateRequest(prompt="p", max_tokens=40))
+            chunks = [await call.read() for _ in range(5)]
+            on_proxy = [g for g in backends[0].started if g.params.max_tokens == 40]
+            assert on_proxy, "the stream should start on the proxied worker (first in the pool)"
+            proxy.cut()
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                chunks.append(chunk)
+        assert_exact(chunks, 40)
+        assert chunks[-1].migrations == 1
+        # The worker behind the cut stops the orphaned generation (its router is gone, nobody can resume it).
+        await asyncio.wait_for(on_proxy[0].cancelled.wait(), 5)
+    finally:
+        await router.stop()
+        await proxy.stop()
+        for w in workers:
+            await w.stop()

@@ -60,6 +60,9 @@ class TritonPythonModel:
         threads = int(params.get("n_threads", "2"))
         p.cpuparams.n_threads = threads
         p.cpuparams_batch.n_threads = threads
+        # llama.cpp keeps evicted prompt states in host RAM, 8 GiB by default:
+        # without a bound the model process grows with every distinct prompt.
+        p.cache_ram_mib = int(params.get("cache_ram_mib", "128"))
         p.use_jinja = True
         if params.get("chat_template"):
             p.chat_template = params["chat_template"]
