@@ -358,6 +358,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_id = request.request_id
         if not request_id:
             raise InvalidArgument("request_id is required")
+        # A caller that cancels its stream and resumes at once can overtake the
+        # teardown of its old stream here: give that a moment to finish.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2.0
+        while request_id in self.live and loop.time() < deadline:
+            await asyncio.sleep(0.02)
         if request_id in self.live:
             raise AlreadyExists(f"generation {request_id!r} is being streamed by this router already")
         live = self.live[request_id] = _Live()

@@ -34,8 +34,7 @@ async def test_resume_after_the_caller_disconnects(mesh: InProcessMesh) -> None:
         b.delay = 0.02
     call = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="p", max_tokens=30, request_id="r1"))
     first = await read_n(call, 3)
-    call.cancel()  # the caller's stream drops
-    await wait_until(lambda: "r1" not in mesh.router.inference.live)
+    call.cancel()  # the caller's stream drops, and it resumes at once
     rest = await resume(mesh, "r1", after_seq=3)
     chunks = first + rest
     assert [c.seq for c in chunks] == list(range(1, 32))
