@@ -111,14 +111,14 @@ def _up(args: argparse.Namespace) -> int:
                            slots=args.slots, log_dir=args.log_dir))
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
-    print(f"starting {args.workers} workers (Triton + SmolLM2, {mesh.threads_per_worker} threads each)...",
-          file=sys.stderr)
+    print(f"starting {args.workers} workers (Triton + SmolLM2, {mesh.threads_per_worker} threads each, "
+          f"pinned to {os.cpu_count()} CPUs shared out)...", file=sys.stderr)
     try:
         mesh.start()
         assert mesh.router is not None and mesh.prober is not None
         lines = [f"router   {mesh.router.address}   (tokenmesh.v1.Inference, Router, Control)"]
-        lines += [f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}"
-                  for w in mesh.workers]
+        lines += [f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}   "
+                  f"CPUs {w.info.get('cpus')}" for w in mesh.workers]
         lines.append(f"prober   {mesh.prober.address}")
         print("tokenmesh is up:\n  " + "\n  ".join(lines) + "\nCtrl-C stops everything.", flush=True)
         reason = mesh.supervise(lambda line: print(line, file=sys.stderr))

@@ -91,10 +91,19 @@ class Mesh:
         self.prober: Child | None = None
         self._logs: list[IO[bytes]] = []
 
+    def cpus_of(self, index: int) -> list[int]:
+        """The CPUs worker index is pinned to: an equal share, or one each, round robin, when short."""
+        cores = sorted(os.sched_getaffinity(0))
+        workers = self.config.workers
+        if workers >= len(cores):
+            return [cores[index % len(cores)]]
+        share = len(cores) // workers
+        return cores[index * share:(index + 1) * share]
+
     @property
     def threads_per_worker(self) -> int:
-        """llama.cpp threads each worker's model gets."""
-        return self.config.threads or max(1, (os.cpu_count() or 1) // self.config.workers)
+        """llama.cpp threads each worker's model gets (its CPU share)."""
+        return self.config.threads or len(self.cpus_of(0))
 
     def spawn(self, name: str, service: str, *args: str) -> Child:
         """Start ``tokenmesh <service> <args>`` with a ready file; return at once."""
@@ -142,7 +151,8 @@ class Mesh:
         try:
             for i in range(cfg.workers):
                 args = ["--host", cfg.host, "--port", "0", "--threads", str(self.threads_per_worker),
-                        "--work-dir", str(self.run_dir / f"worker-{i}")]
+                        "--work-dir", str(self.run_dir / f"worker-{i}"),
+                        "--cpus", ",".join(map(str, self.cpus_of(i)))]
                 if cfg.slots:
                     args += ["--slots", str(cfg.slots)]
                 if cfg.model_repository:

@@ -78,6 +78,20 @@ class Weight:
     reason: str
 
 
+def nonsense(stats: worker_pb2.WorkerStats) -> str:
+    """Why these stats cannot be true ('' when they can): such a worker is treated as stale."""
+    if stats.concurrency_limit == 0:
+        return "concurrency_limit 0"
+    if stats.in_flight > 1_000_000:
+        return f"in_flight {stats.in_flight}"
+    for d in stats.devices:
+        if d.HasField("memory_total_bytes") and d.memory_used_bytes > d.memory_total_bytes:
+            return f"device {d.index} memory used {d.memory_used_bytes} > total {d.memory_total_bytes}"
+        if d.HasField("utilization_percent") and d.utilization_percent > 100:
+            return f"device {d.index} utilization {d.utilization_percent}%"
+    return ""
+
+
 def compute_weight(view: WorkerView, now: float, stale_after_s: float) -> Weight:
     """Weight of one worker: 0 unless reachable and SERVING, else its free capacity."""
     if not view.reachable:
@@ -161,6 +175,14 @@ class Prober(Service):
                     if stats is grpc.aio.EOF:
                         raise ConnectionError("stats stream ended")
                     view.rtt_s = time.monotonic() - sent
+                    problem = nonsense(stats)
+                    if problem:
+                        if problem != view.error:
+                            log.warning("worker %s reports nonsense (%s); treating its stats as stale",
+                                        view.address, problem)
+                        view.error = problem
+                        await asyncio.sleep(self.config.interval_s)
+                        continue  # stats_at is not advanced: the weight falls to the stale floor
                     if view.stats is not None and stats.oom_total > view.stats.oom_total:
                         view.oom_at = time.monotonic()
                     view.stats = stats

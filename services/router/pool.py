@@ -44,6 +44,7 @@ class WorkerPool:
         self.entries: dict[str, WorkerEntry] = {}
         self.version = 0
         self.received_at = 0.0
+        self.propagation_ms = 0.0
         self._rng = rng or random.Random()
 
     def add(self, address: str) -> WorkerEntry:
@@ -83,6 +84,8 @@ class WorkerPool:
                 entry.reason = "not in the prober's table"
         self.version = table.version
         self.received_at = time.time()
+        if table.HasField("decided_at"):
+            self.propagation_ms = max(0.0, (self.received_at - table.decided_at.ToNanoseconds() / 1e9) * 1000)
         return True
 
     def models(self) -> dict[str, tuple[inference_pb2.ModelInfo, int]]:
@@ -134,7 +137,7 @@ class WorkerPool:
 
     def table(self) -> router_pb2.RoutingTable:
         """The routing table for operators."""
-        result = router_pb2.RoutingTable(version=self.version)
+        result = router_pb2.RoutingTable(version=self.version, propagation_ms=self.propagation_ms)
         if self.received_at:
             result.received_at.FromNanoseconds(int(self.received_at * 1e9))
         for entry in sorted(self.entries.values(), key=lambda e: e.address):

@@ -44,14 +44,16 @@ class RoutingEntry(_message.Message):
     def __init__(self, address: _Optional[str] = ..., weight: _Optional[float] = ..., state: _Optional[_Union[WorkerState, str]] = ..., in_flight: _Optional[int] = ..., served_total: _Optional[int] = ..., reason: _Optional[str] = ..., triton_url: _Optional[str] = ...) -> None: ...
 
 class RoutingTable(_message.Message):
-    __slots__ = ("workers", "version", "received_at")
+    __slots__ = ("workers", "version", "received_at", "propagation_ms")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_AT_FIELD_NUMBER: _ClassVar[int]
+    PROPAGATION_MS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[RoutingEntry]
     version: int
     received_at: _timestamp_pb2.Timestamp
-    def __init__(self, workers: _Optional[_Iterable[_Union[RoutingEntry, _Mapping]]] = ..., version: _Optional[int] = ..., received_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    propagation_ms: float
+    def __init__(self, workers: _Optional[_Iterable[_Union[RoutingEntry, _Mapping]]] = ..., version: _Optional[int] = ..., received_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., propagation_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerWeight(_message.Message):
     __slots__ = ("address", "weight", "state", "reason", "triton_url")

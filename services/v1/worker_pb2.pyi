@@ -114,7 +114,7 @@ class DeviceStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., utilization_percent: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("ping_id", "in_flight", "concurrency_limit", "serving", "served_total", "tokens_total", "devices", "triton_url", "oom_total", "backend_restarts", "state_reason")
+    __slots__ = ("ping_id", "in_flight", "concurrency_limit", "serving", "served_total", "tokens_total", "devices", "triton_url", "oom_total", "backend_restarts", "state_reason", "ttft_ms", "itl_ms", "tokens_per_s", "cpus")
     PING_ID_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     CONCURRENCY_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,10 @@ class WorkerStats(_message.Message):
     OOM_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
     ping_id: int
     in_flight: int
     concurrency_limit: int
@@ -137,7 +141,11 @@ class WorkerStats(_message.Message):
     oom_total: int
     backend_restarts: int
     state_reason: str
-    def __init__(self, ping_id: _Optional[int] = ..., in_flight: _Optional[int] = ..., concurrency_limit: _Optional[int] = ..., serving: _Optional[bool] = ..., served_total: _Optional[int] = ..., tokens_total: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStats, _Mapping]]] = ..., triton_url: _Optional[str] = ..., oom_total: _Optional[int] = ..., backend_restarts: _Optional[int] = ..., state_reason: _Optional[str] = ...) -> None: ...
+    ttft_ms: float
+    itl_ms: float
+    tokens_per_s: float
+    cpus: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ping_id: _Optional[int] = ..., in_flight: _Optional[int] = ..., concurrency_limit: _Optional[int] = ..., serving: _Optional[bool] = ..., served_total: _Optional[int] = ..., tokens_total: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStats, _Mapping]]] = ..., triton_url: _Optional[str] = ..., oom_total: _Optional[int] = ..., backend_restarts: _Optional[int] = ..., state_reason: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., itl_ms: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., cpus: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -136,12 +136,14 @@ class Registry:
         max_bytes: int,
         on_settled: Callable[[Record], None],
         on_error: Callable[[Record, BackendError], None] = lambda record, error: None,
+        on_token_timing: Callable[[float | None, float | None], None] = lambda ttft, gap: None,
     ) -> None:
         self.grace_s = grace_s
         self.max_bytes = max_bytes
         self.records: dict[str, Record] = {}
         self._on_settled = on_settled
         self._on_error = on_error
+        self._on_token_timing = on_token_timing
         self._gc: asyncio.Task[None] | None = None
 
     def start(self, request_id: str, first_seq: int, tokens_before: int, generation: Generation) -> Record:
@@ -186,9 +188,16 @@ class Registry:
         record.generation.cancel()
 
     async def _pump(self, record: Record) -> None:
+        last = time.monotonic()
         try:
             async for event in record.generation:
                 if isinstance(event, Delta):
+                    now = time.monotonic()
+                    if record.total == 0:
+                        self._on_token_timing(now - last, None)
+                    else:
+                        self._on_token_timing(None, (now - last) / max(event.tokens, 1))
+                    last = now
                     record.tokens += event.tokens
                     chunk = worker_pb2.TokenChunk(text=event.text, token_count=event.tokens)
                     await record.append(worker_pb2.WorkerEvent(chunk=chunk))

@@ -30,6 +30,10 @@ QUEUE_FACTOR = 4
 OOM_RECOVERY_S = 10.0
 """After a device OOM the admission limit grows back by one per this many seconds."""
 
+
+def _ewma(previous: float | None, value: float, alpha: float = 0.2) -> float:
+    return value if previous is None else previous + alpha * (value - previous)
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
     """Settings of one worker (flags ``--name``, env ``TOKENMESH_WORKER_NAME``)."""
@@ -39,6 +43,7 @@ class WorkerConfig:
     triton_url: str = setting("", "use this running Triton (host:port, e.g. a sidecar) instead of starting one")
     model_repository: str = setting("", "model repository for the Triton we start; empty = the shipped SmolLM2 model")
     devices: str = setting("", "CUDA_VISIBLE_DEVICES for our Triton; empty inherits the environment")
+    cpus: str = setting("", "CPUs to pin the worker and its Triton to, e.g. '0-3' or '0,2'; empty = no pinning")
     threads: int = setting(0, "llama.cpp threads per model (config.pbtxt n_threads); 0 keeps the model's value")
     slots: int = setting(0, "concurrent generations per model (config.pbtxt n_parallel); 0 keeps the model's value")
     work_dir: str = setting("", "folder for Triton's files and log; empty = a new temporary folder")
@@ -57,6 +62,34 @@ class WorkerConfig:
         check(self.replay_buffer_bytes >= 4096, f"replay_buffer_bytes must be >= 4096, got {self.replay_buffer_bytes}")
         if self.model_repository:
             check(Path(self.model_repository).is_dir(), f"model_repository {self.model_repository!r} is not a folder")
+        if self.cpus:
+            available = os.sched_getaffinity(0)
+            wanted = parse_cpus(self.cpus)
+            check(wanted <= available, f"cpus {self.cpus!r} names CPUs this process cannot use "
+                                       f"(available: {format_cpus(available)})")
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """'0-2,5' -> {0, 1, 2, 5}; ConfigError on anything else."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        low, _, high = part.partition("-")
+        check(low.isdigit() and (not high or high.isdigit()), f"cpus: {part!r} is not N or N-M")
+        cpus.update(range(int(low), int(high or low) + 1))
+    check(bool(cpus), "cpus: name at least one CPU")
+    return cpus
+
+
+def format_cpus(cpus: set[int] | tuple[int, ...]) -> str:
+    """{0, 1, 2, 5} -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -74,7 +107,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._backend = backend
         self._devices = devices
         self._cuda_visible_devices = cuda_visible_devices
-        self.registry = Registry(resume_grace_s, replay_buffer_bytes, self._settled, self._failed)
+        self.registry = Registry(resume_grace_s, replay_buffer_bytes, self._settled, self._failed, self._timing)
+        self.ttft_ms: float | None = None
+        self.itl_ms: float | None = None
+        self.cpus: tuple[int, ...] = ()
         self.serving = False
         self.state_reason = "starting"
         self.in_flight = 0
@@ -114,6 +150,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         elif error.error_class == worker_pb2.ERROR_CLASS_DEVICE_LOST:
             self.device_lost.set()
 
+    def _timing(self, ttft_s: float | None, gap_s: float | None) -> None:
+        if ttft_s is not None:
+            self.ttft_ms = _ewma(self.ttft_ms, ttft_s * 1000)
+        if gap_s is not None:
+            self.itl_ms = _ewma(self.itl_ms, gap_s * 1000)
+
     def _settled(self, record: Record) -> None:
         self.in_flight -= 1
         self.tokens_total += record.tokens
@@ -132,6 +174,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if spec.name == name:
                 return spec
         raise NotFound(f"model {name!r} is not served here; served: {', '.join(m.name for m in models)}")
+
+    def _tokens_now(self) -> int:
+        """Tokens generated so far, running generations included."""
+        return self.tokens_total + sum(r.tokens for r in self.registry.records.values() if not r.done)
 
     def slots(self) -> int:
         """Generations the models run at once (sum of their slots)."""
@@ -218,7 +264,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request_iterator: AsyncIterator[worker_pb2.StatsPing], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.WorkerStats]:
         """Answer each ping with the worker's stats right now."""
+        last_time, last_tokens = time.monotonic(), self._tokens_now()
         async for ping in request_iterator:
+            now, tokens = time.monotonic(), self._tokens_now()
+            rate = max(0.0, (tokens - last_tokens) / (now - last_time)) if now > last_time else 0.0
+            last_time, last_tokens = now, tokens
             devices = [
                 worker_pb2.DeviceStats(
                     index=d.index,
@@ -237,6 +287,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 oom_total=self.oom_total,
                 backend_restarts=self.backend_restarts,
                 state_reason=self.state_reason,
+                ttft_ms=self.ttft_ms,
+                itl_ms=self.itl_ms,
+                tokens_per_s=rate,
+                cpus=self.cpus,
                 served_total=self.served_total,
                 tokens_total=self.tokens_total,
                 devices=devices,
@@ -309,7 +363,12 @@ class Worker(Service):
         return TritonBackend(TritonBackendConfig(process=process))
 
     async def start(self) -> None:
-        """Listen (NOT_SERVING), start the backend, warm up, then SERVING."""
+        """Pin CPUs, listen (NOT_SERVING), start the backend, warm up, then SERVING."""
+        if self.config.cpus:
+            # Before Triton starts: it and its model inherit the CPU set.
+            os.sched_setaffinity(0, parse_cpus(self.config.cpus))
+            self.servicer.cpus = tuple(sorted(os.sched_getaffinity(0)))
+            log.info("worker pinned to CPUs %s", format_cpus(self.servicer.cpus))
         await self.host.start()
         log.info("worker listening on %s; starting backend", self.host.address)
         await self.backend.start()
@@ -325,6 +384,7 @@ class Worker(Service):
             triton_url=self.backend.endpoint,
             pid=os.getpid(),
             triton_pid=self.backend.pid,
+            cpus=format_cpus(self.servicer.cpus),
         )
 
     async def _warm_up(self) -> None:

@@ -34,6 +34,8 @@ async def test_device_oom_lowers_the_limit_and_the_request_runs_elsewhere(mesh: 
     s0, s1 = await stats(mesh, 0), await stats(mesh, 1)
     assert (s0.oom_total, s0.concurrency_limit, s0.serving) == (1, 1, True)
     assert (s1.oom_total, s1.concurrency_limit) == (0, 4)
+    # The latency signals the prober weighs: set once a generation ran, unset before.
+    assert s1.HasField("ttft_ms") and s1.HasField("itl_ms") and s1.itl_ms > 0
     # The lowered limit is enforced: a second generation at once is refused there.
     servicer = mesh.workers[0].servicer
     assert servicer.admission_limit() == 1

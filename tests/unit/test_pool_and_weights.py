@@ -118,3 +118,25 @@ def test_a_recent_device_oom_halves_the_weight() -> None:
     assert w.weight == 0.5 and "out of memory 5 s ago" in w.reason
     v.oom_at = 0.0
     assert compute_weight(v, 100.0, 200.0).weight == 1.0
+
+
+def test_nonsense_stats_are_recognised() -> None:
+    from tokenmesh.prober.prober import nonsense
+
+    assert nonsense(worker_pb2.WorkerStats(concurrency_limit=4, in_flight=1)) == ""
+    assert "concurrency_limit 0" in nonsense(worker_pb2.WorkerStats(concurrency_limit=0))
+    bad_memory = worker_pb2.WorkerStats(concurrency_limit=4, devices=[
+        worker_pb2.DeviceStats(index=0, memory_used_bytes=90, memory_total_bytes=80)])
+    assert "memory used 90 > total 80" in nonsense(bad_memory)
+    assert "utilization 140%" in nonsense(worker_pb2.WorkerStats(concurrency_limit=4, devices=[
+        worker_pb2.DeviceStats(index=0, utilization_percent=140)]))
+
+
+def test_cpu_sets_parse_and_format() -> None:
+    from tokenmesh.config import ConfigError
+    from tokenmesh.worker.service import format_cpus, parse_cpus
+
+    assert parse_cpus("0-2,5") == {0, 1, 2, 5}
+    assert format_cpus({0, 1, 2, 5}) == "0-2,5"
+    with pytest.raises(ConfigError, match="not N or N-M"):
+        parse_cpus("a-b")

@@ -21,6 +21,7 @@ async def test_tables_reach_the_router_and_are_acked(mesh: InProcessMesh) -> Non
         link = prober.routers[mesh.router.host.address]
         await wait_until(lambda: link.acked_version == prober.table.version)
         assert pool.version == prober.table.version
+        assert 0 < pool.table().propagation_ms < 1000  # decided -> applied, on loopback
 
         # A worker that stops serving gets weight 0 at once (health Watch), well within 2 s.
         down = mesh.workers[0]
