@@ -208,10 +208,15 @@ class Prober(Service):
         for address in sorted(self.views):
             view = self.views[address]
             w = compute_weight(view, now, stale_after)
-            triton_url = view.stats.triton_url if view.stats else ""
+            stats = view.stats
             result.append(
                 router_pb2.WorkerWeight(
-                    address=address, weight=w.weight, state=w.state, reason=w.reason, triton_url=triton_url
+                    address=address,
+                    weight=w.weight,
+                    state=w.state,
+                    reason=w.reason,
+                    triton_url=stats.triton_url if stats else "",
+                    concurrency_limit=stats.concurrency_limit if stats else 0,
                 )
             )
         return result

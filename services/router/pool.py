@@ -31,6 +31,8 @@ class WorkerEntry:
     triton_url: str = ""
     models: dict[str, inference_pb2.ModelInfo] = field(default_factory=dict)
     in_flight: int = 0
+    limit: int = 0
+    """Most generations this router sends the worker at once (0 = not known yet: one)."""
     served_total: int = 0
     suspended_until: float = 0.0
     """time.monotonic() until which this router avoids the worker (after it failed a stream)."""
@@ -77,6 +79,8 @@ class WorkerPool:
             entry.reason = w.reason
             if w.triton_url:
                 entry.triton_url = w.triton_url
+            if w.concurrency_limit:
+                entry.limit = w.concurrency_limit
             listed.add(w.address)
         for address, entry in self.entries.items():
             if address not in listed:
@@ -111,11 +115,20 @@ class WorkerPool:
             raise NotFound(f"unknown model {name!r}; available: {', '.join(sorted(models))}")
         return models[name][0]
 
-    def pick(self, model: str) -> WorkerEntry:
-        """A live worker serving model, by power of two weighted choices."""
-        candidates = [e for e in self.entries.values() if model in e.models and self.effective_weight(e) > 0]
-        if not candidates:
+    def require_live(self, model: str) -> None:
+        """Raise Unavailable unless some live worker serves model (busy or not)."""
+        if not any(model in e.models and self.effective_weight(e) > 0 for e in self.entries.values()):
             raise Unavailable(f"no live worker serves model {model!r} now; retry shortly")
+
+    def pick(self, model: str, free_only: bool = True) -> WorkerEntry | None:
+        """A live worker serving model with a free slot (power of two weighted choices); None if none."""
+        candidates = [
+            e
+            for e in self.entries.values()
+            if model in e.models and self.effective_weight(e) > 0 and (not free_only or e.in_flight < max(e.limit, 1))
+        ]
+        if not candidates:
+            return None
         if len(candidates) > 2:
             first = self._draw(candidates)
             rest = [e for e in candidates if e is not first]
@@ -150,6 +163,7 @@ class WorkerPool:
                     weight=entry.weight if self.version else self.effective_weight(entry),
                     state=state,
                     in_flight=entry.in_flight,
+                    concurrency_limit=entry.limit,
                     served_total=entry.served_total,
                     reason=self._reason(entry),
                     triton_url=entry.triton_url,

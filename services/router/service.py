@@ -27,6 +27,7 @@ from tokenmesh.errors import (
     Unavailable,
     from_generation_error,
 )
+from tokenmesh.router.admission import FAILOVER, Admission, level
 from tokenmesh.router.pool import WorkerEntry, WorkerPool
 from tokenmesh.server import CHANNEL_OPTIONS, Service, ServiceHost, write_ready_file
 from tokenmesh.v1 import (
@@ -56,6 +57,9 @@ class RouterConfig:
     stall_timeout_s: float = setting(5.0, "a worker silent this long between chunks is failed over")
     max_migrations: int = setting(3, "times one generation may move to (or be retried on) another worker")
     failover_wait_s: float = setting(30.0, "how long a stream whose worker failed waits for another live worker")
+    max_queue: int = setting(256, "generations that may wait for a worker slot; more get RESOURCE_EXHAUSTED")
+    queue_timeout_s: float = setting(30.0, "longest wait for a worker slot before RESOURCE_EXHAUSTED")
+    aging_s: float = setting(5.0, "a waiting generation rises one priority level per this many seconds")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
     ready_file: str = setting("", "write {address, pid} as JSON here once SERVING")
 
@@ -66,6 +70,9 @@ class RouterConfig:
         check(self.stall_timeout_s > 0, f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         check(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
         check(self.failover_wait_s >= 0, f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
+        check(self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}")
+        check(self.queue_timeout_s > 0, f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
+        check(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}")
         check(self.default_max_tokens > 0, f"default_max_tokens must be > 0, got {self.default_max_tokens}")
         check(self.max_prompt_bytes > 0, f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         for address in self.workers:
@@ -143,9 +150,16 @@ def _chunk(event: worker_pb2.WorkerEvent, request_id: str, model: str) -> infere
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """Generate, Resume, Cancel, ListModels."""
 
-    def __init__(self, config: RouterConfig, pool: WorkerPool, stubs: dict[str, worker_pb2_grpc.WorkerStub]) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        pool: WorkerPool,
+        stubs: dict[str, worker_pb2_grpc.WorkerStub],
+        admission: Admission,
+    ) -> None:
         self._config = config
         self._pool = pool
+        self._admission = admission
         self._stubs = stubs
         self.live: dict[str, _Live] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -193,6 +207,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         live = self.live[request_id] = _Live()
         progress = _Progress()
         attempts = 0
+        tenant = request.labels.get("tenant", "")
         try:
             while True:
                 forward = _continuation(base, progress)
@@ -204,9 +219,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         usage=inference_pb2.Usage(completion_tokens=progress.tokens),
                     )
                     return
-                # Workers that just failed are avoided (suspended) for a while; the
-                # first attempt fails fast when no worker is live, a failover waits.
-                entry = await self._pick(model.name, context, wait=attempts > 0)
+                # Workers that just failed are avoided (suspended) for a while. The
+                # first attempt fails fast when no worker is live at all and
+                # queues when all are busy; a failover waits, ahead of the queue.
+                entry = await self._acquire(model.name, request, tenant, context, failover=attempts > 0)
                 attempts += 1
                 try:
                     relay = self._relay(entry, forward, live, context, progress, resumable=bool(request.request_id))
@@ -229,26 +245,40 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         "worker %s failed %s after seq %d (%s); continuing on another worker",
                         entry.address, request_id, progress.seq, failure,
                     )
+                finally:
+                    self._admission.release(entry, tenant)
         finally:
             del self.live[request_id]
 
-    async def _pick(self, model: str, context: grpc.aio.ServicerContext[Any, Any], *, wait: bool) -> WorkerEntry:
-        """A worker for model; with wait, until one is live (failover_wait_s, within the deadline)."""
-        if not wait:
-            return self._pool.pick(model)
-        loop = asyncio.get_running_loop()
-        budget = self._config.failover_wait_s
+    async def _acquire(
+        self,
+        model: str,
+        request: inference_pb2.GenerateRequest,
+        tenant: str,
+        context: grpc.aio.ServicerContext[Any, Any],
+        *,
+        failover: bool,
+    ) -> WorkerEntry:
+        """A worker slot through admission, within the caller's deadline."""
+        timeout = self._config.failover_wait_s if failover else self._config.queue_timeout_s
         remaining = context.time_remaining()
         if remaining is not None:
-            budget = min(budget, remaining)
-        deadline = loop.time() + budget
+            timeout = min(timeout, remaining)
+        lvl = FAILOVER if failover else level(request.priority)
+        if not failover:
+            return await self._admission.acquire(model, lvl, tenant, timeout)
+        # A failover also waits for a live worker to come back, not only for a free slot.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         while True:
             try:
-                return self._pool.pick(model)
+                self._pool.require_live(model)
             except Unavailable:
                 if loop.time() >= deadline:
                     raise
-            await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)
+                continue
+            return await self._admission.acquire(model, lvl, tenant, max(0.01, deadline - loop.time()))
 
     async def _relay(
         self,
@@ -269,7 +299,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         otherwise the worker is told to stop.
         """
         stub = self._stubs[entry.address]
-        entry.in_flight += 1
         call = stub.Generate(timeout=context.time_remaining())
         live.call = call
         timeout = self._config.ttft_timeout_s
@@ -326,7 +355,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             detach = resumable  # the caller went away
             raise
         finally:
-            entry.in_flight -= 1
             live.call = None
             call.cancel()
             if not finished and not detach:
@@ -443,22 +471,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Operator API."""
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, admission: Admission) -> None:
         self._pool = pool
+        self._admission = admission
 
     async def GetRoutingTable(  # noqa: N802 - gRPC method name
         self, request: router_pb2.GetRoutingTableRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> router_pb2.RoutingTable:
         """The table in force and per-worker counters."""
-        return self._pool.table()
+        table = self._pool.table()
+        table.queued = len(self._admission.waiting)
+        return table
 
 
 class ControlServicer(router_pb2_grpc.ControlServicer):
     """Weight tables from the prober; each version acked."""
 
-    def __init__(self, pool: WorkerPool, on_new_worker: asyncio.Queue[str]) -> None:
+    def __init__(self, pool: WorkerPool, on_new_worker: asyncio.Queue[str], admission: Admission) -> None:
         self._pool = pool
         self._new_workers = on_new_worker
+        self._admission = admission
 
     async def PushWeights(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[router_pb2.WeightTable], context: grpc.aio.ServicerContext[Any, Any]
@@ -467,6 +499,8 @@ class ControlServicer(router_pb2_grpc.ControlServicer):
         async for table in request_iterator:
             known = set(self._pool.entries)
             applied = self._pool.apply(table)
+            if applied:
+                self._admission.dispatch()  # weights or limits changed: waiters may go now
             for address in set(self._pool.entries) - known:
                 self._new_workers.put_nowait(address)
             yield router_pb2.WeightAck(version=table.version, applied=applied)
@@ -482,7 +516,10 @@ class Router(Service):
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._new_workers: asyncio.Queue[str] = asyncio.Queue()
-        self.inference = InferenceServicer(config, self.pool, self._stubs)
+        self.admission = Admission(
+            self.pool, max_queue=config.max_queue, queue_timeout_s=config.queue_timeout_s, aging_s=config.aging_s
+        )
+        self.inference = InferenceServicer(config, self.pool, self._stubs, self.admission)
         names = [
             inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
             router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
@@ -490,9 +527,11 @@ class Router(Service):
         ]
         self.host = ServiceHost(config.host, config.port, names)
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, self.host.server)
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool), self.host.server)
-        router_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self.pool, self._new_workers), self.host.server)
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool, self.admission), self.host.server)
+        control = ControlServicer(self.pool, self._new_workers, self.admission)
+        router_pb2_grpc.add_ControlServicer_to_server(control, self.host.server)
         self._adder: asyncio.Task[None] | None = None
+        self._dispatcher: asyncio.Task[None] | None = None
         self._stopped = False
 
     def _watch(self, address: str) -> None:
@@ -518,6 +557,8 @@ class Router(Service):
                         described = await stub.Describe(worker_pb2.DescribeRequest(), timeout=5)
                         entry.models = {m.name: m for m in described.models}
                         entry.triton_url = described.triton_url
+                        if not entry.limit or not self.pool.version:
+                            entry.limit = described.concurrency_limit
                     entry.healthy = serving
                     if not self.pool.version:
                         entry.reason = "health SERVING" if serving else "health NOT_SERVING"
@@ -537,6 +578,7 @@ class Router(Service):
         for address in self.config.workers:
             self._watch(address)
         self._adder = asyncio.create_task(self._add_workers())
+        self._dispatcher = asyncio.create_task(self.admission.run_dispatcher())
         await self.host.set_serving(True)
         log.info("router SERVING on %s with workers %s", self.host.address, ", ".join(self.config.workers) or "-")
         write_ready_file(self.config.ready_file, address=self.host.address, pid=os.getpid())
@@ -547,8 +589,9 @@ class Router(Service):
             return
         self._stopped = True
         await self.host.stop(grace=self.config.drain_grace_s, busy=lambda: bool(self.inference.live))
-        for task in [*self._watchers.values(), *([self._adder] if self._adder else [])]:
-            task.cancel()
+        for task in [*self._watchers.values(), self._adder, self._dispatcher]:
+            if task is not None:
+                task.cancel()
         for channel in self._channels.values():
             await channel.close()
 

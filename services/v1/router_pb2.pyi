@@ -26,7 +26,7 @@ class GetRoutingTableRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RoutingEntry(_message.Message):
-    __slots__ = ("address", "weight", "state", "in_flight", "served_total", "reason", "triton_url")
+    __slots__ = ("address", "weight", "state", "in_flight", "served_total", "reason", "triton_url", "concurrency_limit")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class RoutingEntry(_message.Message):
     SERVED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TRITON_URL_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_LIMIT_FIELD_NUMBER: _ClassVar[int]
     address: str
     weight: float
     state: WorkerState
@@ -41,33 +42,38 @@ class RoutingEntry(_message.Message):
     served_total: int
     reason: str
     triton_url: str
-    def __init__(self, address: _Optional[str] = ..., weight: _Optional[float] = ..., state: _Optional[_Union[WorkerState, str]] = ..., in_flight: _Optional[int] = ..., served_total: _Optional[int] = ..., reason: _Optional[str] = ..., triton_url: _Optional[str] = ...) -> None: ...
+    concurrency_limit: int
+    def __init__(self, address: _Optional[str] = ..., weight: _Optional[float] = ..., state: _Optional[_Union[WorkerState, str]] = ..., in_flight: _Optional[int] = ..., served_total: _Optional[int] = ..., reason: _Optional[str] = ..., triton_url: _Optional[str] = ..., concurrency_limit: _Optional[int] = ...) -> None: ...
 
 class RoutingTable(_message.Message):
-    __slots__ = ("workers", "version", "received_at", "propagation_ms")
+    __slots__ = ("workers", "version", "received_at", "propagation_ms", "queued")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_AT_FIELD_NUMBER: _ClassVar[int]
     PROPAGATION_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[RoutingEntry]
     version: int
     received_at: _timestamp_pb2.Timestamp
     propagation_ms: float
-    def __init__(self, workers: _Optional[_Iterable[_Union[RoutingEntry, _Mapping]]] = ..., version: _Optional[int] = ..., received_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., propagation_ms: _Optional[float] = ...) -> None: ...
+    queued: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[RoutingEntry, _Mapping]]] = ..., version: _Optional[int] = ..., received_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., propagation_ms: _Optional[float] = ..., queued: _Optional[int] = ...) -> None: ...
 
 class WorkerWeight(_message.Message):
-    __slots__ = ("address", "weight", "state", "reason", "triton_url")
+    __slots__ = ("address", "weight", "state", "reason", "triton_url", "concurrency_limit")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TRITON_URL_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_LIMIT_FIELD_NUMBER: _ClassVar[int]
     address: str
     weight: float
     state: WorkerState
     reason: str
     triton_url: str
-    def __init__(self, address: _Optional[str] = ..., weight: _Optional[float] = ..., state: _Optional[_Union[WorkerState, str]] = ..., reason: _Optional[str] = ..., triton_url: _Optional[str] = ...) -> None: ...
+    concurrency_limit: int
+    def __init__(self, address: _Optional[str] = ..., weight: _Optional[float] = ..., state: _Optional[_Union[WorkerState, str]] = ..., reason: _Optional[str] = ..., triton_url: _Optional[str] = ..., concurrency_limit: _Optional[int] = ...) -> None: ...
 
 class WeightTable(_message.Message):
     __slots__ = ("version", "workers", "decided_at")

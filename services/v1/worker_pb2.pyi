@@ -152,13 +152,15 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("models", "triton_url", "cuda_visible_devices", "triton_pid")
+    __slots__ = ("models", "triton_url", "cuda_visible_devices", "triton_pid", "concurrency_limit")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     TRITON_URL_FIELD_NUMBER: _ClassVar[int]
     CUDA_VISIBLE_DEVICES_FIELD_NUMBER: _ClassVar[int]
     TRITON_PID_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_LIMIT_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[_inference_pb2.ModelInfo]
     triton_url: str
     cuda_visible_devices: str
     triton_pid: int
-    def __init__(self, models: _Optional[_Iterable[_Union[_inference_pb2.ModelInfo, _Mapping]]] = ..., triton_url: _Optional[str] = ..., cuda_visible_devices: _Optional[str] = ..., triton_pid: _Optional[int] = ...) -> None: ...
+    concurrency_limit: int
+    def __init__(self, models: _Optional[_Iterable[_Union[_inference_pb2.ModelInfo, _Mapping]]] = ..., triton_url: _Optional[str] = ..., cuda_visible_devices: _Optional[str] = ..., triton_pid: _Optional[int] = ..., concurrency_limit: _Optional[int] = ...) -> None: ...

@@ -310,6 +310,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             triton_url=self._backend.endpoint,
             cuda_visible_devices=self._cuda_visible_devices,
             triton_pid=self._backend.pid or 0,
+            concurrency_limit=self.concurrency_limit() if models else 0,
         )
 
 

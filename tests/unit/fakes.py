@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from tokenmesh.v1 import worker_pb2
@@ -29,6 +30,7 @@ class FakeGeneration(Generation):
         self.cancelled.set()
 
     async def __aiter__(self) -> AsyncIterator[Delta | Finished]:  # type: ignore[override]
+        self.started_at = time.monotonic()
         self.backend.started.append(self)
         params = self.params
         prompt = params.prompt or params.messages[-1][1]

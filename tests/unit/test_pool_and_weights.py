@@ -18,6 +18,7 @@ def pool_with(*addresses: str, model: str = "m") -> WorkerPool:
     for address in addresses:
         entry = pool.add(address)
         entry.healthy = True
+        entry.limit = 1000
         entry.models = {model: inference_pb2.ModelInfo(name=model, max_context=100, is_default=True)}
     return pool
 
@@ -73,9 +74,14 @@ def test_older_tables_are_not_applied() -> None:
 def test_pick_errors() -> None:
     pool = pool_with("a:1")
     pool.suspend(pool.entries["a:1"], 5, "stalled")
+    assert pool.pick("m") is None
     with pytest.raises(Unavailable):
-        pool.pick("m")
+        pool.require_live("m")
     pool.entries["a:1"].suspended_until = 0
+    pool.entries["a:1"].in_flight = 1000  # at its limit: live, but no free slot
+    assert pool.pick("m") is None
+    pool.require_live("m")
+    pool.entries["a:1"].in_flight = 0
     with pytest.raises(NotFound):
         pool.resolve_model("other")
     assert pool.resolve_model("").name == "m"

@@ -1,0 +1,148 @@
+"""Priority admission in front of the per-worker concurrency limits.
+
+A generation gets a worker slot at once when one is free and nobody of equal
+or higher priority waits; otherwise it waits in the admission queue. When a
+slot frees, the waiter with the highest effective priority goes first: its
+priority (LOW 1, NORMAL 2, HIGH 3; a stream moving off a failed worker 4)
+plus one level per ``aging_s`` waited, so LOW cannot starve. Among equals, the
+tenant (``labels["tenant"]``) with fewer generations running goes first, then
+the earliest. The queue is bounded in length and in wait; both answer
+RESOURCE_EXHAUSTED with a ``retry-after-ms`` hint in the trailers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tokenmesh.errors import ResourceExhausted
+from tokenmesh.router.pool import WorkerEntry, WorkerPool
+from tokenmesh.v1 import inference_pb2
+
+FAILOVER = 4
+"""Priority of a stream moving off a failed worker: it already has a caller waiting mid-stream."""
+
+_PRIORITY: dict[int, int] = {
+    inference_pb2.PRIORITY_UNSPECIFIED: 2,
+    inference_pb2.PRIORITY_LOW: 1,
+    inference_pb2.PRIORITY_NORMAL: 2,
+    inference_pb2.PRIORITY_HIGH: 3,
+}
+
+
+def level(priority: int) -> int:
+    """Queue level of a Priority enum value."""
+    return _PRIORITY[priority]
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A generation waiting for a slot."""
+
+    model: str
+    level: int
+    tenant: str
+    enqueued: float
+    order: int
+    granted: asyncio.Future[WorkerEntry] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Admission:
+    """Grants worker slots to generations, queueing them by priority when none is free."""
+
+    def __init__(self, pool: WorkerPool, *, max_queue: int, queue_timeout_s: float, aging_s: float) -> None:
+        self.pool = pool
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self.aging_s = aging_s
+        self.waiting: list[Waiter] = []
+        self.running_by_tenant: Counter[str] = Counter()
+        self._order = itertools.count()
+
+    def _effective(self, waiter: Waiter, now: float) -> tuple[float, int, int]:
+        aged = waiter.level + int((now - waiter.enqueued) / self.aging_s)
+        # Higher is better: level with aging, then the tenant running less, then the earlier.
+        return (aged, -self.running_by_tenant[waiter.tenant], -waiter.order)
+
+    def _retry_hint_ms(self) -> int:
+        # About how long until the queue ahead has drained at one slot per generation.
+        return max(100, min(30_000, 50 * (len(self.waiting) + 1)))
+
+    async def acquire(self, model: str, level: int, tenant: str, timeout_s: float | None = None) -> WorkerEntry:
+        """A worker slot for model (its in_flight already counted); wait in the queue if none is free.
+
+        Raises Unavailable when no live worker serves the model at all (unless
+        level is FAILOVER, which waits for one), ResourceExhausted when the
+        queue is full or the wait times out.
+        """
+        if level < FAILOVER:
+            self.pool.require_live(model)
+        now = time.monotonic()
+        ahead = any(self._effective(w, now)[0] >= level for w in self.waiting if w.model == model)
+        entry = None if ahead else self.pool.pick(model, free_only=True)
+        if entry is not None:
+            return self._grant(entry, tenant)
+        if len(self.waiting) >= self.max_queue:
+            hint = self._retry_hint_ms()
+            raise ResourceExhausted(
+                f"admission queue is full ({len(self.waiting)} waiting); retry in about {hint} ms",
+                trailers=(("retry-after-ms", str(hint)),),
+            )
+        waiter = Waiter(model, level, tenant, now, next(self._order))
+        self.waiting.append(waiter)
+        wait = self.queue_timeout_s if timeout_s is None else min(timeout_s, self.queue_timeout_s)
+        try:
+            entry = await asyncio.wait_for(asyncio.shield(waiter.granted), wait)
+        except TimeoutError:
+            if waiter.granted.done():  # granted just as the wait ran out: keep it
+                entry = waiter.granted.result()
+            else:
+                hint = self._retry_hint_ms()
+                raise ResourceExhausted(
+                    f"no worker slot for {model!r} within {wait:g} s ({len(self.waiting)} waiting); "
+                    f"retry in about {hint} ms",
+                    trailers=(("retry-after-ms", str(hint)),),
+                ) from None
+        except BaseException:
+            if waiter.granted.done() and not waiter.granted.cancelled():
+                self.release(waiter.granted.result(), tenant)  # granted, but the caller is gone
+            raise
+        finally:
+            if waiter in self.waiting:
+                self.waiting.remove(waiter)
+        return entry
+
+    def _grant(self, entry: WorkerEntry, tenant: str) -> WorkerEntry:
+        entry.in_flight += 1
+        self.running_by_tenant[tenant] += 1
+        return entry
+
+    def release(self, entry: WorkerEntry, tenant: str) -> None:
+        """Give the slot back and hand free slots to the best waiters."""
+        entry.in_flight -= 1
+        self.running_by_tenant[tenant] -= 1
+        if self.running_by_tenant[tenant] <= 0:
+            del self.running_by_tenant[tenant]
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Grant free slots to waiters, best first (also call when weights or limits change)."""
+        now = time.monotonic()
+        for waiter in sorted(self.waiting, key=lambda w: self._effective(w, now), reverse=True):
+            if waiter.granted.done():
+                continue
+            entry = self.pool.pick(waiter.model, free_only=True)
+            if entry is None:
+                continue  # none free for this model; others may serve other models
+            self.waiting.remove(waiter)
+            waiter.granted.set_result(self._grant(entry, waiter.tenant))
+
+    async def run_dispatcher(self, interval_s: float = 0.1) -> None:
+        """Re-dispatch now and then: slots also free up when weights, health or limits change."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.waiting:
+                self.dispatch()
