@@ -42,6 +42,8 @@ class ProberConfig:
     routers: tuple[str, ...] = setting((), "router addresses host:port to push weights to, comma-separated", parse=csv)
     interval_s: float = setting(0.1, "seconds between stats pings to each worker (and weight recomputations)")
     probe_timeout_s: float = setting(1.0, "a ping unanswered this long marks the worker unreachable")
+    memory_threshold: float = setting(0.92, "device memory used/total above which a worker's weight falls")
+    ttft_slo_ms: float = setting(2000.0, "TTFT objective: a worker averaging more gets weight x slo/ttft")
     ready_file: str = setting("", "write {address, pid} as JSON here once running")
 
     def __post_init__(self) -> None:
@@ -50,6 +52,8 @@ class ProberConfig:
         check(bool(self.workers), "give at least one worker address (--workers host:port,...)")
         check(0 < self.interval_s <= 10, f"interval_s must be in (0, 10], got {self.interval_s}")
         check(self.probe_timeout_s > 0, f"probe_timeout_s must be > 0, got {self.probe_timeout_s}")
+        check(0 < self.memory_threshold < 1, f"memory_threshold must be in (0, 1), got {self.memory_threshold}")
+        check(self.ttft_slo_ms > 0, f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms}")
         for address in (*self.workers, *self.routers):
             check(":" in address, f"address {address!r} must be host:port")
 
@@ -92,25 +96,56 @@ def nonsense(stats: worker_pb2.WorkerStats) -> str:
     return ""
 
 
-def compute_weight(view: WorkerView, now: float, stale_after_s: float) -> Weight:
-    """Weight of one worker: 0 unless reachable and SERVING, else its free capacity."""
+@dataclass(frozen=True)
+class Scoring:
+    """Knobs of the weight function (see :func:`compute_weight`)."""
+
+    stale_after_s: float = 1.0
+    """Stats older than this count as saturated."""
+    memory_threshold: float = 0.92
+    """Device memory used/total above this lowers the weight, to 0 at 100%."""
+    ttft_slo_ms: float = 2000.0
+    """A TTFT average above this scales the weight by slo / ttft."""
+    oom_penalty_s: float = OOM_PENALTY_S
+    """For this long after a device OOM the weight is halved."""
+
+
+def compute_weight(view: WorkerView, now: float, scoring: Scoring) -> Weight:
+    """Weight of one worker in [0, 1].
+
+    0 unless reachable and SERVING. Otherwise the free fraction of its slots
+    (limit - in_flight) / limit, then: x slo/ttft when its TTFT average is over
+    the SLO; x (1 - used) / (1 - threshold) for the fullest device over the
+    memory threshold; x 0.5 within oom_penalty_s of a device OOM. Stale stats
+    count as saturated. A serving worker never drops below MIN_WEIGHT, so it
+    still gets work when every worker is busy.
+    """
     if not view.reachable:
         return Weight(0.0, router_pb2.WORKER_STATE_UNREACHABLE, f"unreachable: {view.error}")
     if not view.serving:
         why = view.stats.state_reason if view.stats is not None and view.stats.state_reason else ""
         return Weight(0.0, router_pb2.WORKER_STATE_NOT_SERVING, f"health NOT_SERVING: {why or 'starting'}")
     stats = view.stats
-    if stats is None or now - view.stats_at > stale_after_s:
+    if stats is None or now - view.stats_at > scoring.stale_after_s:
         return Weight(MIN_WEIGHT, router_pb2.WORKER_STATE_SERVING, "serving, stats stale")
     limit = max(stats.concurrency_limit, 1)
     free = max(limit - stats.in_flight, 0)
     weight = free / limit
-    reason = f"serving, {free}/{limit} slots free"
+    reasons = [f"serving, {free}/{limit} slots free"]
+    if stats.HasField("ttft_ms") and stats.ttft_ms > scoring.ttft_slo_ms:
+        weight *= scoring.ttft_slo_ms / stats.ttft_ms
+        reasons.append(f"TTFT {stats.ttft_ms:.0f} ms > SLO {scoring.ttft_slo_ms:.0f} ms")
+    for device in stats.devices:
+        if device.HasField("memory_used_bytes") and device.memory_total_bytes:
+            used = device.memory_used_bytes / device.memory_total_bytes
+            if used > scoring.memory_threshold:
+                weight *= max(0.0, (1 - used) / (1 - scoring.memory_threshold))
+                reasons.append(f"device {device.index} memory {used:.0%} > {scoring.memory_threshold:.0%}")
     since_oom = now - view.oom_at
-    if since_oom < OOM_PENALTY_S:
+    if since_oom < scoring.oom_penalty_s:
         weight /= 2
-        reason += f", device out of memory {since_oom:.0f} s ago"
-    return Weight(max(round(weight, 2), MIN_WEIGHT), router_pb2.WORKER_STATE_SERVING, reason)
+        reasons.append(f"device out of memory {since_oom:.0f} s ago")
+    return Weight(max(round(weight, 2), MIN_WEIGHT), router_pb2.WORKER_STATE_SERVING, ", ".join(reasons))
 
 
 @dataclass
@@ -129,6 +164,11 @@ class Prober(Service):
         self.views = {a: WorkerView(a) for a in config.workers}
         self.routers = {a: _RouterLink(a) for a in config.routers}
         self.table = router_pb2.WeightTable()
+        self.scoring = Scoring(
+            stale_after_s=max(config.probe_timeout_s, 3 * config.interval_s),
+            memory_threshold=config.memory_threshold,
+            ttft_slo_ms=config.ttft_slo_ms,
+        )
         self._next_version = int(time.time() * 1000)  # grows across prober restarts
         self._changed = asyncio.Event()
         self._channels: list[grpc.aio.Channel] = []
@@ -203,11 +243,10 @@ class Prober(Service):
     def compute_table(self) -> list[router_pb2.WorkerWeight]:
         """Weights of every worker right now."""
         now = time.monotonic()
-        stale_after = max(self.config.probe_timeout_s, 3 * self.config.interval_s)
         result = []
         for address in sorted(self.views):
             view = self.views[address]
-            w = compute_weight(view, now, stale_after)
+            w = compute_weight(view, now, self.scoring)
             stats = view.stats
             result.append(
                 router_pb2.WorkerWeight(

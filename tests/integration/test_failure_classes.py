@@ -192,3 +192,24 @@ def test_router_sigterm_finishes_in_flight_and_refuses_new(tmp_path: Path) -> No
     finally:
         mesh.stop()
     assert not [pid for pid in pids if alive(pid)]
+
+
+def test_sigstopped_worker_weight_drops_after_the_probe_deadline_and_recovers(faulty: MeshHandle) -> None:
+    wait_all_routable(faulty)
+    worker = faulty.mesh.workers[0]
+
+    def entry() -> router_pb2.RoutingEntry:
+        return next(w for w in faulty.table().workers if w.address == worker.address)
+
+    os.kill(worker.proc.pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        wait_for(lambda: entry().weight == 0, 5, "weight 0 after SIGSTOP")
+        elapsed = time.monotonic() - stopped
+        # The probe deadline is 1 s after the last answered ping (pings every 0.1 s): 0 within 500 ms of it.
+        assert elapsed < 1.0 + 0.1 + 0.5, f"weight reached 0 after {elapsed:.2f} s"
+        assert entry().state == router_pb2.WORKER_STATE_UNREACHABLE
+    finally:
+        os.kill(worker.proc.pid, signal.SIGCONT)
+    wait_for(lambda: entry().weight > 0, 5, "weight back after SIGCONT")
+    assert entry().state == router_pb2.WORKER_STATE_SERVING

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from tokenmesh.errors import NotFound, Unavailable
-from tokenmesh.prober.prober import MIN_WEIGHT, WorkerView, compute_weight
+from tokenmesh.prober.prober import MIN_WEIGHT, Scoring, WorkerView, compute_weight
 from tokenmesh.router.pool import WorkerPool
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
 
@@ -98,32 +98,32 @@ def view(**stats_fields) -> WorkerView:
 
 def test_weight_is_zero_when_unreachable_or_not_serving() -> None:
     unreachable = WorkerView("a:1", reachable=False, error="health UNAVAILABLE")
-    w = compute_weight(unreachable, 100.0, 1.0)
+    w = compute_weight(unreachable, 100.0, Scoring())
     assert (w.weight, w.state) == (0.0, router_pb2.WORKER_STATE_UNREACHABLE)
     not_serving = view(concurrency_limit=4)
     not_serving.serving = False
-    w = compute_weight(not_serving, 100.0, 1.0)
+    w = compute_weight(not_serving, 100.0, Scoring())
     assert (w.weight, w.state) == (0.0, router_pb2.WORKER_STATE_NOT_SERVING)
 
 
 def test_weight_follows_free_capacity() -> None:
-    assert compute_weight(view(concurrency_limit=4, in_flight=0), 100.0, 1.0).weight == 1.0
-    assert compute_weight(view(concurrency_limit=4, in_flight=1), 100.0, 1.0).weight == 0.75
-    assert compute_weight(view(concurrency_limit=4, in_flight=9), 100.0, 1.0).weight == MIN_WEIGHT
+    assert compute_weight(view(concurrency_limit=4, in_flight=0), 100.0, Scoring()).weight == 1.0
+    assert compute_weight(view(concurrency_limit=4, in_flight=1), 100.0, Scoring()).weight == 0.75
+    assert compute_weight(view(concurrency_limit=4, in_flight=9), 100.0, Scoring()).weight == MIN_WEIGHT
 
 
 def test_stale_stats_count_as_saturated() -> None:
-    w = compute_weight(view(concurrency_limit=4, in_flight=0), 102.0, 1.0)
+    w = compute_weight(view(concurrency_limit=4, in_flight=0), 102.0, Scoring())
     assert w.weight == MIN_WEIGHT and "stale" in w.reason
 
 
 def test_a_recent_device_oom_halves_the_weight() -> None:
     v = view(concurrency_limit=4, in_flight=0)
     v.oom_at = 95.0
-    w = compute_weight(v, 100.0, 10.0)
+    w = compute_weight(v, 100.0, Scoring(stale_after_s=10.0))
     assert w.weight == 0.5 and "out of memory 5 s ago" in w.reason
     v.oom_at = 0.0
-    assert compute_weight(v, 100.0, 200.0).weight == 1.0
+    assert compute_weight(v, 100.0, Scoring(stale_after_s=200.0)).weight == 1.0
 
 
 def test_nonsense_stats_are_recognised() -> None:
@@ -146,3 +146,28 @@ def test_cpu_sets_parse_and_format() -> None:
     assert format_cpus({0, 1, 2, 5}) == "0-2,5"
     with pytest.raises(ConfigError, match="not N or N-M"):
         parse_cpus("a-b")
+
+
+GIB = 1024**3
+
+
+def test_device_memory_over_the_threshold_lowers_the_weight() -> None:
+    def with_memory(used_gib: float) -> float:
+        device = worker_pb2.DeviceStats(index=0, memory_used_bytes=int(used_gib * GIB), memory_total_bytes=100 * GIB)
+        return compute_weight(view(concurrency_limit=4, devices=[device]), 100.0, Scoring()).weight
+
+    assert with_memory(50) == 1.0 and with_memory(92) == 1.0
+    assert with_memory(96) == 0.5  # halfway from the 92% threshold to full
+    assert with_memory(99.9) == MIN_WEIGHT
+    device = worker_pb2.DeviceStats(index=0, memory_used_bytes=96 * GIB, memory_total_bytes=100 * GIB)
+    assert "device 0 memory 96% > 92%" in compute_weight(view(concurrency_limit=4, devices=[device]), 100.0,
+                                                         Scoring()).reason
+
+
+def test_no_gpu_readings_leave_the_weight_alone() -> None:
+    assert compute_weight(view(concurrency_limit=4, devices=[]), 100.0, Scoring()).weight == 1.0
+
+
+def test_ttft_over_the_slo_scales_the_weight() -> None:
+    w = compute_weight(view(concurrency_limit=4, ttft_ms=4000.0), 100.0, Scoring(ttft_slo_ms=2000.0))
+    assert w.weight == 0.5 and "TTFT 4000 ms > SLO 2000 ms" in w.reason

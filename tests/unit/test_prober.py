@@ -7,6 +7,7 @@ import time
 
 from tokenmesh.prober.prober import Prober, ProberConfig
 from tokenmesh.v1 import router_pb2
+from tokenmesh.worker.devices import DeviceReading
 
 from .conftest import InProcessMesh, wait_until
 
@@ -36,5 +37,23 @@ async def test_tables_reach_the_router_and_are_acked(mesh: InProcessMesh) -> Non
         version = prober.table.version
         await asyncio.sleep(0.3)
         assert prober.table.version == version
+    finally:
+        await prober.stop()
+
+
+async def test_gpu_memory_reading_over_the_threshold_lowers_that_workers_weight(mesh: InProcessMesh) -> None:
+    """NVML read through the worker's device seam, with fixed readings, all the way to the router."""
+    gib = 1024**3
+    hot = mesh.workers[0]
+    hot.servicer._devices = lambda: [DeviceReading(0, "NVIDIA H200", 135 * gib, 140 * gib, 97)]
+    addresses = tuple(w.host.address for w in mesh.workers)
+    prober = Prober(ProberConfig(port=0, workers=addresses, routers=(mesh.router.host.address,), interval_s=0.05))
+    await prober.start()
+    try:
+        pool = mesh.router.pool
+        entry, cool = pool.entries[hot.host.address], pool.entries[mesh.workers[1].host.address]
+        await wait_until(lambda: pool.version and cool.weight == 1.0 and "memory" in entry.reason)
+        assert "device 0 memory 96% > 92%" in entry.reason
+        assert entry.weight == 0.45  # (1 - 135/140) / (1 - 0.92), rounded
     finally:
         await prober.stop()
