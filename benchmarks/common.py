@@ -56,9 +56,12 @@ def wait_routable(mesh: Mesh, count: int, timeout: float = 60) -> None:
     with grpc.insecure_channel(mesh.router.address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         deadline = time.monotonic() + timeout
-        while sum(w.weight > 0 for w in stub.GetRoutingTable(router_pb2.GetRoutingTableRequest()).workers) < count:
+        while True:
+            table = stub.GetRoutingTable(router_pb2.GetRoutingTableRequest())
+            if sum(w.weight > 0 for w in table.workers) >= count:
+                return
             if time.monotonic() > deadline:
-                raise SystemExit(f"fewer than {count} workers routable after {timeout:.0f} s")
+                raise SystemExit(f"fewer than {count} workers routable after {timeout:.0f} s:\n{table}")
             time.sleep(0.1)
 
 

@@ -43,6 +43,7 @@ class Waiter:
     """A generation waiting for a slot."""
 
     model: str
+    key: str
     level: int
     tenant: str
     enqueued: float
@@ -71,7 +72,9 @@ class Admission:
         # About how long until the queue ahead has drained at one slot per generation.
         return max(100, min(30_000, 50 * (len(self.waiting) + 1)))
 
-    async def acquire(self, model: str, level: int, tenant: str, timeout_s: float | None = None) -> WorkerEntry:
+    async def acquire(
+        self, model: str, level: int, tenant: str, timeout_s: float | None = None, key: str = ""
+    ) -> WorkerEntry:
         """A worker slot for model (its in_flight already counted); wait in the queue if none is free.
 
         Raises Unavailable when no live worker serves the model at all (unless
@@ -82,7 +85,7 @@ class Admission:
             self.pool.require_live(model)
         now = time.monotonic()
         ahead = any(self._effective(w, now)[0] >= level for w in self.waiting if w.model == model)
-        entry = None if ahead else self.pool.pick(model, free_only=True)
+        entry = None if ahead else self.pool.pick(model, key=key)
         if entry is not None:
             return self._grant(entry, tenant)
         if len(self.waiting) >= self.max_queue:
@@ -91,7 +94,7 @@ class Admission:
                 f"admission queue is full ({len(self.waiting)} waiting); retry in about {hint} ms",
                 trailers=(("retry-after-ms", str(hint)),),
             )
-        waiter = Waiter(model, level, tenant, now, next(self._order))
+        waiter = Waiter(model, key, level, tenant, now, next(self._order))
         self.waiting.append(waiter)
         wait = self.queue_timeout_s if timeout_s is None else min(timeout_s, self.queue_timeout_s)
         try:
@@ -134,7 +137,7 @@ class Admission:
         for waiter in sorted(self.waiting, key=lambda w: self._effective(w, now), reverse=True):
             if waiter.granted.done():
                 continue
-            entry = self.pool.pick(waiter.model, free_only=True)
+            entry = self.pool.pick(waiter.model, key=waiter.key)
             if entry is None:
                 continue  # none free for this model; others may serve other models
             self.waiting.remove(waiter)

@@ -1,14 +1,20 @@
 """The router's view of its workers and how it picks one.
 
 Each worker has a weight from the prober's latest table (or, before any table,
-1.0 for every worker whose health the router sees SERVING). Picking is the
-power of two choices: two distinct candidates drawn by weight, and the one with
-fewer generations in flight per unit of weight wins (ties: the one that served
-fewer), so load spreads even when weights are equal and stale.
+1.0 for every worker whose health the router sees SERVING) and a concurrency
+limit. Only workers with weight > 0 and a free slot are candidates. The
+default policy, ``prefix``, sends requests that share a prompt prefix to the
+worker whose KV cache already holds it (rendezvous hashing with bounded
+loads); without a prefix, and as the fallback, it is the power of two
+choices: two candidates drawn by weight, the one with fewer generations in
+flight per unit of weight wins (ties: the one that served fewer).
+``least-loaded`` and ``round-robin`` exist to measure the difference.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -39,11 +45,37 @@ class WorkerEntry:
     suspended_reason: str = ""
 
 
+POLICIES = ("prefix", "least-loaded", "round-robin")
+"""Worker selection policies (see WorkerPool.pick)."""
+LOAD_BOUND = 1.25
+"""Prefix policy: a worker above this multiple of the average load is skipped for its prefixes."""
+
+
+def _rendezvous(key: str, address: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}|{address}".encode(), digest_size=8).digest(), "big")
+
+
+def prefix_key(request: inference_pb2.GenerateRequest, min_chars: int = 256, prompt_chars: int = 512) -> str:
+    """What a request shares with others that a worker's KV cache can reuse ('' = nothing worth it).
+
+    A chat's everything-but-the-last-message (system prompt and history); a
+    raw prompt's first prompt_chars characters. Shorter than min_chars (about
+    64 tokens) is not worth pinning to a worker: such requests spread by load.
+    """
+    if request.messages:
+        key = "\x1e".join(f"{m.role}\x1f{m.content}" for m in request.messages[:-1])
+    else:
+        key = request.prompt[:prompt_chars] if len(request.prompt) >= 2 * prompt_chars else ""
+    return key if len(key) >= min_chars else ""
+
+
 class WorkerPool:
     """Workers by address, the weight table in force, and the pick."""
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(self, rng: random.Random | None = None, policy: str = "prefix") -> None:
         self.entries: dict[str, WorkerEntry] = {}
+        self.policy = policy
+        self._turn = 0
         self.version = 0
         self.received_at = 0.0
         self.propagation_ms = 0.0
@@ -120,15 +152,33 @@ class WorkerPool:
         if not any(model in e.models and self.effective_weight(e) > 0 for e in self.entries.values()):
             raise Unavailable(f"no live worker serves model {model!r} now; retry shortly")
 
-    def pick(self, model: str, free_only: bool = True) -> WorkerEntry | None:
-        """A live worker serving model with a free slot (power of two weighted choices); None if none."""
-        candidates = [
-            e
-            for e in self.entries.values()
-            if model in e.models and self.effective_weight(e) > 0 and (not free_only or e.in_flight < max(e.limit, 1))
-        ]
+    def pick(self, model: str, free_only: bool = True, key: str = "") -> WorkerEntry | None:
+        """A live worker serving model with a free slot, by the policy; None if none is free.
+
+        ``key`` identifies the request's prompt prefix (for the prefix policy).
+        """
+        live = [e for e in self.entries.values() if model in e.models and self.effective_weight(e) > 0]
+        candidates = [e for e in live if not free_only or e.in_flight < max(e.limit, 1)]
         if not candidates:
             return None
+        if self.policy == "round-robin":
+            ordered = sorted(candidates, key=lambda e: e.address)
+            self._turn += 1
+            return ordered[self._turn % len(ordered)]
+        if self.policy == "least-loaded":
+            return min(candidates, key=lambda e: (e.in_flight / max(e.limit, 1), -self.effective_weight(e)))
+        if self.policy == "prefix" and key:
+            # Consistent hashing with bounded loads: the prefix's own order of
+            # workers (rendezvous hashing), skipping any already carrying more
+            # than LOAD_BOUND x the average, so one hot prefix cannot swamp one worker.
+            bound = math.ceil(LOAD_BOUND * (sum(e.in_flight for e in live) + 1) / len(live))
+            for entry in sorted(candidates, key=lambda e: _rendezvous(key, e.address), reverse=True):
+                if entry.in_flight < bound:
+                    return entry
+        return self._two_choices(candidates)
+
+    def _two_choices(self, candidates: list[WorkerEntry]) -> WorkerEntry:
+        """Power of two choices drawn by weight; fewer in flight per weight wins."""
         if len(candidates) > 2:
             first = self._draw(candidates)
             rest = [e for e in candidates if e is not first]

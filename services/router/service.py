@@ -28,7 +28,7 @@ from tokenmesh.errors import (
     from_generation_error,
 )
 from tokenmesh.router.admission import FAILOVER, Admission, level
-from tokenmesh.router.pool import WorkerEntry, WorkerPool
+from tokenmesh.router.pool import POLICIES, WorkerEntry, WorkerPool, prefix_key
 from tokenmesh.server import CHANNEL_OPTIONS, Service, ServiceHost, write_ready_file
 from tokenmesh.v1 import (
     inference_pb2,
@@ -57,6 +57,7 @@ class RouterConfig:
     stall_timeout_s: float = setting(5.0, "a worker silent this long between chunks is failed over")
     max_migrations: int = setting(3, "times one generation may move to (or be retried on) another worker")
     failover_wait_s: float = setting(30.0, "how long a stream whose worker failed waits for another live worker")
+    policy: str = setting("prefix", "worker selection: prefix (KV-cache affinity), least-loaded, round-robin")
     max_queue: int = setting(256, "generations that may wait for a worker slot; more get RESOURCE_EXHAUSTED")
     queue_timeout_s: float = setting(30.0, "longest wait for a worker slot before RESOURCE_EXHAUSTED")
     aging_s: float = setting(5.0, "a waiting generation rises one priority level per this many seconds")
@@ -70,6 +71,7 @@ class RouterConfig:
         check(self.stall_timeout_s > 0, f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         check(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
         check(self.failover_wait_s >= 0, f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
+        check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         check(self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}")
         check(self.queue_timeout_s > 0, f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
         check(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}")
@@ -208,6 +210,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         progress = _Progress()
         attempts = 0
         tenant = request.labels.get("tenant", "")
+        key = prefix_key(request)
         try:
             while True:
                 forward = _continuation(base, progress)
@@ -222,7 +225,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 # Workers that just failed are avoided (suspended) for a while. The
                 # first attempt fails fast when no worker is live at all and
                 # queues when all are busy; a failover waits, ahead of the queue.
-                entry = await self._acquire(model.name, request, tenant, context, failover=attempts > 0)
+                entry = await self._acquire(model.name, request, tenant, key, context, failover=attempts > 0)
                 attempts += 1
                 try:
                     relay = self._relay(entry, forward, live, context, progress, resumable=bool(request.request_id))
@@ -255,6 +258,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         model: str,
         request: inference_pb2.GenerateRequest,
         tenant: str,
+        key: str,
         context: grpc.aio.ServicerContext[Any, Any],
         *,
         failover: bool,
@@ -266,7 +270,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             timeout = min(timeout, remaining)
         lvl = FAILOVER if failover else level(request.priority)
         if not failover:
-            return await self._admission.acquire(model, lvl, tenant, timeout)
+            return await self._admission.acquire(model, lvl, tenant, timeout, key)
         # A failover also waits for a live worker to come back, not only for a free slot.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -278,7 +282,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     raise
                 await asyncio.sleep(0.1)
                 continue
-            return await self._admission.acquire(model, lvl, tenant, max(0.01, deadline - loop.time()))
+            return await self._admission.acquire(model, lvl, tenant, max(0.01, deadline - loop.time()), key)
 
     async def _relay(
         self,
@@ -511,7 +515,7 @@ class Router(Service):
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.pool = WorkerPool()
+        self.pool = WorkerPool(policy=config.policy)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}

@@ -171,3 +171,42 @@ def test_no_gpu_readings_leave_the_weight_alone() -> None:
 def test_ttft_over_the_slo_scales_the_weight() -> None:
     w = compute_weight(view(concurrency_limit=4, ttft_ms=4000.0), 100.0, Scoring(ttft_slo_ms=2000.0))
     assert w.weight == 0.5 and "TTFT 4000 ms > SLO 2000 ms" in w.reason
+
+
+def chat(system: str, user: str = "hi") -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(messages=[
+        inference_pb2.ChatMessage(role="system", content=system), inference_pb2.ChatMessage(role="user", content=user)])
+
+
+def test_prefix_keys() -> None:
+    from tokenmesh.router.pool import prefix_key
+
+    long_system = "You are a careful assistant. " * 20
+    assert prefix_key(chat(long_system, "a")) == prefix_key(chat(long_system, "b")) != ""
+    assert prefix_key(chat("short")) == ""  # not worth pinning
+    assert prefix_key(inference_pb2.GenerateRequest(prompt="x" * 2000)) == "x" * 512
+    assert prefix_key(inference_pb2.GenerateRequest(prompt="hello")) == ""
+
+
+def test_prefix_policy_keeps_a_prefix_on_one_worker_within_the_load_bound() -> None:
+    pool = pool_with("a:1", "b:1", "c:1")
+    pool.policy = "prefix"
+    homes = {}
+    for p in range(8):
+        picks = {pool.pick("m", key=f"system prompt {p}").address for _ in range(5)}
+        assert len(picks) == 1  # idle mesh: always the prefix's own worker
+        homes[p] = picks.pop()
+    assert len(set(homes.values())) > 1  # different prefixes spread over workers
+    # One hot prefix: its worker takes load only up to 1.25x the average, then the next in its order.
+    hot = pool.entries[homes[0]]
+    hot.in_flight = 4
+    assert pool.pick("m", key="system prompt 0") is not hot
+
+
+def test_round_robin_and_least_loaded_policies() -> None:
+    pool = pool_with("a:1", "b:1", "c:1")
+    pool.policy = "round-robin"
+    assert [pool.pick("m").address for _ in range(6)] == ["b:1", "c:1", "a:1", "b:1", "c:1", "a:1"]
+    pool.policy = "least-loaded"
+    pool.entries["a:1"].in_flight, pool.entries["b:1"].in_flight, pool.entries["c:1"].in_flight = 3, 1, 2
+    assert pool.pick("m").address == "b:1"
