@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -60,8 +61,8 @@ def mesh_pids(mesh: Mesh) -> list[int]:
     return pids
 
 
-def start_mesh(tmp: Path, workers: int = 2) -> Mesh:
-    mesh = Mesh(MeshConfig(workers=workers, port=0, threads=1, log_dir=str(tmp / "logs")))
+def start_mesh(tmp: Path, workers: int = 2, **settings: object) -> Mesh:
+    mesh = Mesh(MeshConfig(workers=workers, port=0, threads=1, log_dir=str(tmp / "logs"), **settings))
     mesh.start()
     return mesh
 
@@ -92,20 +93,26 @@ class MeshHandle:
         return self.operator.GetRoutingTable(router_pb2.GetRoutingTableRequest(), timeout=5)
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshHandle]:
-    tmp = tmp_path_factory.mktemp("mesh")
-    real = start_mesh(tmp)
+@contextlib.contextmanager
+def running_mesh(tmp: Path, workers: int = 2, **settings: object) -> Iterator[MeshHandle]:
+    """A started mesh with every worker SERVING; stopped after, and checked to leave no process."""
+    real = start_mesh(tmp, workers, **settings)
     pids = mesh_pids(real)
     handle = MeshHandle(real)
     try:
-        wait_all_serving(handle.channel, 2)
+        wait_all_serving(handle.channel, workers)
         yield handle
     finally:
         handle.channel.close()
         real.stop()
-        leftovers = [pid for pid in pids if alive(pid)]
-        assert not leftovers, f"processes left behind: {leftovers}"
+    leftovers = [pid for pid in pids if alive(pid)]
+    assert not leftovers, f"processes left behind: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshHandle]:
+    with running_mesh(tmp_path_factory.mktemp("mesh")) as handle:
+        yield handle
 
 
 def descendants(pid: int) -> list[int]:

@@ -20,7 +20,7 @@ import pytest
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
-from .conftest import MeshHandle, alive, mesh_pids, wait_all_serving
+from .conftest import MeshHandle, alive, mesh_pids, running_mesh, wait_all_serving
 
 pytestmark = pytest.mark.integration
 
@@ -29,18 +29,8 @@ FAULTY = str(Path(__file__).resolve().parents[1] / "models")
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshHandle]:
-    tmp = tmp_path_factory.mktemp("faulty")
-    mesh = Mesh(MeshConfig(workers=2, port=0, threads=1, model_repository=FAULTY, log_dir=str(tmp / "logs")))
-    mesh.start()
-    pids = mesh_pids(mesh)
-    handle = MeshHandle(mesh)
-    try:
-        wait_all_serving(handle.channel, 2)
+    with running_mesh(tmp_path_factory.mktemp("faulty"), model_repository=FAULTY) as handle:
         yield handle
-    finally:
-        handle.channel.close()
-        mesh.stop()
-    assert not [pid for pid in pids if alive(pid)]
 
 
 def worker_stats(address: str) -> worker_pb2.WorkerStats:
