@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tokenmesh.router.service import ControlServicer, InferenceServicer, RouterServicer
+from tokenmesh.router.inference import InferenceServicer
+from tokenmesh.router.service import ControlServicer, RouterServicer
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
 from tokenmesh.worker.service import WorkerServicer
 

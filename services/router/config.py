@@ -1,0 +1,45 @@
+"""The router's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmesh.config import check, csv, setting
+from tokenmesh.router.pool import POLICIES
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """Settings of one router (flags ``--name``, env ``TOKENMESH_ROUTER_NAME``)."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(50051, "gRPC port; 0 picks a free one")
+    workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated", parse=csv)
+    default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset")
+    max_prompt_bytes: int = setting(1024 * 1024, "largest prompt (or sum of message contents) accepted, in bytes")
+    ttft_timeout_s: float = setting(30.0, "a worker that sends no first chunk within this is failed over")
+    stall_timeout_s: float = setting(5.0, "a worker silent this long between chunks is failed over")
+    max_migrations: int = setting(3, "times one generation may move to (or be retried on) another worker")
+    failover_wait_s: float = setting(30.0, "how long a stream whose worker failed waits for another live worker")
+    policy: str = setting("prefix", "worker selection: prefix (KV-cache affinity), least-loaded, round-robin")
+    max_queue: int = setting(256, "generations that may wait for a worker slot; more get RESOURCE_EXHAUSTED")
+    queue_timeout_s: float = setting(30.0, "longest wait for a worker slot before RESOURCE_EXHAUSTED")
+    aging_s: float = setting(5.0, "a waiting generation rises one priority level per this many seconds")
+    drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
+    ready_file: str = setting("", "write {address, pid} as JSON here once SERVING")
+
+    def __post_init__(self) -> None:
+        """Validate ranges."""
+        check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(self.ttft_timeout_s > 0, f"ttft_timeout_s must be > 0, got {self.ttft_timeout_s}")
+        check(self.stall_timeout_s > 0, f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
+        check(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
+        check(self.failover_wait_s >= 0, f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
+        check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        check(self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}")
+        check(self.queue_timeout_s > 0, f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
+        check(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}")
+        check(self.default_max_tokens > 0, f"default_max_tokens must be > 0, got {self.default_max_tokens}")
+        check(self.max_prompt_bytes > 0, f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
+        for address in self.workers:
+            check(":" in address, f"worker address {address!r} must be host:port")
