@@ -46,6 +46,11 @@ from tokenmesh.worker.backend import (
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
+PORT_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    """Triton could not bind a port we picked for it."""
 
 
 def _pytriton_dir() -> Path:
@@ -87,6 +92,7 @@ class TritonProcess:
         self.metrics_port = 0
         self._proc: asyncio.subprocess.Process | None = None
         self.log_path = config.work_dir / "tritonserver.log"
+        self._log_start = 0
 
     @property
     def url(self) -> str:
@@ -164,6 +170,7 @@ class TritonProcess:
             "--log-verbose=0",
         ]
         log_file = self.log_path.open("ab")
+        self._log_start = log_file.tell()
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *dies_with_parent(args),  # Triton must not outlive its worker, even a SIGKILLed one
@@ -187,11 +194,14 @@ class TritonProcess:
         return await self._proc.wait()
 
     def log_tail(self, lines: int = 15) -> str:
-        """The end of Triton's log, for error messages."""
+        """The end of Triton's log since its latest start, for error messages."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with self.log_path.open("rb") as log_file:
+                log_file.seek(self._log_start)
+                text = log_file.read().decode(errors="replace")
         except OSError:
             return ""
+        return "\n".join(text.splitlines()[-lines:])
 
     async def stop(self) -> None:
         """SIGTERM, then SIGKILL if it has not ended in 10 s."""
@@ -352,6 +362,18 @@ class TritonBackend(Backend):
 
     async def start(self) -> None:
         """Start (or reach) Triton and wait until every model is READY."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                await self._start_once()
+                return
+            except PortTaken:
+                # The free ports were picked by binding and releasing them, so
+                # another process can take one before Triton binds: new ports.
+                log.warning("Triton's port was taken before it bound (attempt %d); trying new ports", attempt)
+                await self.stop()
+        raise RuntimeError(f"tritonserver could not bind free ports in {PORT_ATTEMPTS} attempts")
+
+    async def _start_once(self) -> None:
         if self.process is not None:
             await self.process.start()
         self._client = triton_aio.InferenceServerClient(self.endpoint)
@@ -360,7 +382,10 @@ class TritonBackend(Backend):
         deadline = loop.time() + timeout
         while True:
             if self.process is not None and self.process.exited():
-                raise RuntimeError(f"tritonserver exited during start:\n{self.process.log_tail()}")
+                tail = self.process.log_tail()
+                if "already in use" in tail:
+                    raise PortTaken(tail)
+                raise RuntimeError(f"tritonserver exited during start:\n{tail}")
             with contextlib.suppress(InferenceServerException):
                 if await self._load_models():
                     return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -203,3 +204,25 @@ def test_sigstopped_worker_weight_drops_after_the_probe_deadline_and_recovers(fa
         os.kill(worker.proc.pid, signal.SIGCONT)
     wait_for(lambda: entry().weight > 0, 5, "weight back after SIGCONT")
     assert entry().state == router_pb2.WORKER_STATE_SERVING
+
+
+async def test_triton_port_taken_before_it_binds_is_retried_on_new_ports(tmp_path: Path, monkeypatch) -> None:
+    from tokenmesh.worker import triton
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    picks = iter([taken])  # the first port handed to Triton is already in use
+    real = triton._free_port
+    monkeypatch.setattr(triton, "_free_port", lambda host: next(picks, None) or real(host))
+    process = triton.TritonProcessConfig(work_dir=tmp_path, model_repository=Path(FAULTY))
+    backend = triton.TritonBackend(triton.TritonBackendConfig(process=process))
+    try:
+        await backend.start()
+        assert [m.name for m in backend.models()] == ["faulty"]
+        assert not backend.endpoint.endswith(f":{taken}")
+        assert await backend.ready()
+    finally:
+        await backend.stop()
+        held.close()
