@@ -40,8 +40,6 @@ class _Live:
     def __init__(self) -> None:
         self.call: grpc.aio.StreamStreamCall[Any, Any] | None = None
         self.cancel_requested = False
-        self.holder = ""
-        """Worker address a Resume is attached to."""
 
 
 class _WorkerFailed(Exception):
@@ -351,7 +349,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await asyncio.sleep(0.02)
         if request_id in self.live:
             raise AlreadyExists(f"generation {request_id!r} is being streamed by this router already")
-        live = self.live[request_id] = _Live()
+        self.live[request_id] = _Live()  # so Generate and Cancel see it is being streamed here
         try:
             for entry in sorted(self._pool.entries.values(), key=lambda e: not e.healthy):
                 call = self._stubs[entry.address].Attach(
@@ -364,7 +362,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
                         raise OutOfRange(exc.details() or "after_seq out of range") from exc
                     continue  # not there (NOT_FOUND) or not reachable
-                live.holder = entry.address
                 try:
                     while event is not grpc.aio.EOF:
                         if event.WhichOneof("event") == "error":

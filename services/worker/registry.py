@@ -53,7 +53,6 @@ class Record:
         self.bytes = 0
         self.max_bytes = max_bytes
         self.done = False
-        self.cancelled = False
         self.finished_at = 0.0
         self.attached = 0
         self.detached_at = time.monotonic()
@@ -182,9 +181,13 @@ class Registry:
         self.records.pop(record.request_id, None)
         record.generation.cancel()
 
+    def forget(self, record: Record) -> None:
+        """Drop a finished record nobody will resume (it is not cancelled: it is done)."""
+        if self.records.get(record.request_id) is record:
+            del self.records[record.request_id]
+
     @staticmethod
     def _stop(record: Record) -> None:
-        record.cancelled = True
         record.generation.cancel()
 
     async def _pump(self, record: Record) -> None:

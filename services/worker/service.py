@@ -240,7 +240,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             watcher.cancel()
             if not first.resumable and self.registry.records.get(req.request_id) is record:
                 if record.done:
-                    self.registry.records.pop(req.request_id)  # delivered; nobody will resume it
+                    self.registry.forget(record)  # delivered; nobody will resume it
                 else:
                     self.registry.cancel(req.request_id)  # its caller is gone
 

@@ -18,10 +18,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
-from .conftest import MeshHandle, alive, mesh_pids, running_mesh, wait_all_serving
+from .conftest import MeshHandle, alive, mesh_pids, running_mesh, start_mesh, wait_all_serving
 
 pytestmark = pytest.mark.integration
 
@@ -130,8 +129,7 @@ def test_killed_triton_is_restarted_and_weight_recovers(faulty: MeshHandle) -> N
 
 
 def test_worker_sigterm_drains_in_flight_streams(tmp_path: Path) -> None:
-    mesh = Mesh(MeshConfig(workers=2, port=0, threads=1, model_repository=FAULTY, log_dir=str(tmp_path / "logs")))
-    mesh.start()
+    mesh = start_mesh(tmp_path, 2, model_repository=FAULTY)
     pids = mesh_pids(mesh)
     try:
         handle = MeshHandle(mesh)
@@ -161,8 +159,7 @@ def test_worker_sigterm_drains_in_flight_streams(tmp_path: Path) -> None:
 
 
 def test_router_sigterm_finishes_in_flight_and_refuses_new(tmp_path: Path) -> None:
-    mesh = Mesh(MeshConfig(workers=1, port=0, threads=1, model_repository=FAULTY, log_dir=str(tmp_path / "logs")))
-    mesh.start()
+    mesh = start_mesh(tmp_path, 1, model_repository=FAULTY)
     pids = mesh_pids(mesh)
     try:
         handle = MeshHandle(mesh)
