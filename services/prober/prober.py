@@ -114,7 +114,8 @@ def compute_weight(view: WorkerView, now: float, scoring: Scoring) -> Weight:
     """Weight of one worker in [0, 1].
 
     0 unless reachable and SERVING. Otherwise the free fraction of its slots
-    (limit - in_flight) / limit, then: x slo/ttft when its TTFT average is over
+    (limit - in_flight) / limit, then: x 1/(1 + pending) while Triton's own
+    scheduler queue holds requests; x slo/ttft when its TTFT average is over
     the SLO; x (1 - used) / (1 - threshold) for the fullest device over the
     memory threshold; x 0.5 within oom_penalty_s of a device OOM. Stale stats
     count as saturated. A serving worker never drops below MIN_WEIGHT, so it
@@ -132,6 +133,9 @@ def compute_weight(view: WorkerView, now: float, scoring: Scoring) -> Weight:
     free = max(limit - stats.in_flight, 0)
     weight = free / limit
     reasons = [f"serving, {free}/{limit} slots free"]
+    if stats.triton_pending:
+        weight /= 1 + stats.triton_pending
+        reasons.append(f"{stats.triton_pending} waiting in Triton's queue")
     if stats.HasField("ttft_ms") and stats.ttft_ms > scoring.ttft_slo_ms:
         weight *= scoring.ttft_slo_ms / stats.ttft_ms
         reasons.append(f"TTFT {stats.ttft_ms:.0f} ms > SLO {scoring.ttft_slo_ms:.0f} ms")

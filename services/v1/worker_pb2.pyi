@@ -114,7 +114,7 @@ class DeviceStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., utilization_percent: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("ping_id", "in_flight", "concurrency_limit", "serving", "served_total", "tokens_total", "devices", "triton_url", "oom_total", "backend_restarts", "state_reason", "ttft_ms", "itl_ms", "tokens_per_s", "cpus")
+    __slots__ = ("ping_id", "in_flight", "concurrency_limit", "serving", "served_total", "tokens_total", "devices", "triton_url", "oom_total", "backend_restarts", "state_reason", "ttft_ms", "itl_ms", "tokens_per_s", "cpus", "triton_pending", "triton_queue_ms", "ttft_baseline_ms")
     PING_ID_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     CONCURRENCY_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,9 @@ class WorkerStats(_message.Message):
     ITL_MS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     CPUS_FIELD_NUMBER: _ClassVar[int]
+    TRITON_PENDING_FIELD_NUMBER: _ClassVar[int]
+    TRITON_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BASELINE_MS_FIELD_NUMBER: _ClassVar[int]
     ping_id: int
     in_flight: int
     concurrency_limit: int
@@ -145,7 +148,10 @@ class WorkerStats(_message.Message):
     itl_ms: float
     tokens_per_s: float
     cpus: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ping_id: _Optional[int] = ..., in_flight: _Optional[int] = ..., concurrency_limit: _Optional[int] = ..., serving: _Optional[bool] = ..., served_total: _Optional[int] = ..., tokens_total: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStats, _Mapping]]] = ..., triton_url: _Optional[str] = ..., oom_total: _Optional[int] = ..., backend_restarts: _Optional[int] = ..., state_reason: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., itl_ms: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., cpus: _Optional[_Iterable[int]] = ...) -> None: ...
+    triton_pending: int
+    triton_queue_ms: float
+    ttft_baseline_ms: float
+    def __init__(self, ping_id: _Optional[int] = ..., in_flight: _Optional[int] = ..., concurrency_limit: _Optional[int] = ..., serving: _Optional[bool] = ..., served_total: _Optional[int] = ..., tokens_total: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStats, _Mapping]]] = ..., triton_url: _Optional[str] = ..., oom_total: _Optional[int] = ..., backend_restarts: _Optional[int] = ..., state_reason: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., itl_ms: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., cpus: _Optional[_Iterable[int]] = ..., triton_pending: _Optional[int] = ..., triton_queue_ms: _Optional[float] = ..., ttft_baseline_ms: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

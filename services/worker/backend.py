@@ -65,6 +65,18 @@ class Finished:
     completion_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's own view of its request queue (Triton: statistics API and metrics)."""
+
+    queued_total: int
+    """Requests that have left the engine's queue since it started."""
+    queue_ns_total: int
+    """Time those requests spent in the queue, in nanoseconds."""
+    pending: int | None
+    """Requests waiting in its queue now; None when the engine does not say."""
+
+
 class BackendError(Exception):
     """A generation failed; ``error_class`` is a ``worker_pb2.ErrorClass``."""
 
@@ -109,6 +121,10 @@ class Backend(abc.ABC):
         """Wait until the engine dies by itself; return why. Never returns for engines that cannot tell."""
         await asyncio.Event().wait()
         return ""
+
+    async def engine_stats(self) -> EngineStats | None:
+        """The engine's queue figures now; None for engines that keep none."""
+        return None
 
     @abc.abstractmethod
     def models(self) -> list[ModelSpec]:

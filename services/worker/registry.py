@@ -58,6 +58,8 @@ class Record:
         self.detached_at = time.monotonic()
         self.changed = asyncio.Condition()
         self.task: asyncio.Task[None] | None = None
+        self.queued = False
+        """It started with every engine slot busy (so its TTFT includes queueing); set by the worker."""
         self.shed_reason = ""
         """Set when the worker sheds this generation: it ends in a retryable error, not CANCELLED."""
 
@@ -135,7 +137,7 @@ class Registry:
         max_bytes: int,
         on_settled: Callable[[Record], None],
         on_error: Callable[[Record, BackendError], None] = lambda record, error: None,
-        on_token_timing: Callable[[float | None, float | None], None] = lambda ttft, gap: None,
+        on_token_timing: Callable[[Record, float | None, float | None], None] = lambda record, ttft, gap: None,
     ) -> None:
         self.grace_s = grace_s
         self.max_bytes = max_bytes
@@ -197,9 +199,9 @@ class Registry:
                 if isinstance(event, Delta):
                     now = time.monotonic()
                     if record.total == 0:
-                        self._on_token_timing(now - last, None)
+                        self._on_token_timing(record, now - last, None)
                     else:
-                        self._on_token_timing(None, (now - last) / max(event.tokens, 1))
+                        self._on_token_timing(record, None, (now - last) / max(event.tokens, 1))
                     last = now
                     record.tokens += event.tokens
                     chunk = worker_pb2.TokenChunk(text=event.text, token_count=event.tokens)

@@ -19,8 +19,9 @@ from tokenmesh.config import check, setting
 from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from tokenmesh.server import Service, ServiceHost, write_ready_file
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
-from tokenmesh.worker.backend import Backend, BackendError, GenerationParams, ModelSpec
-from tokenmesh.worker.devices import DeviceReader, nvml_reader
+from tokenmesh.worker.backend import Backend, BackendError, EngineStats, GenerationParams, ModelSpec
+from tokenmesh.worker.concurrency import AdaptiveLimit
+from tokenmesh.worker.devices import DeviceReader, DeviceReading, nvml_reader
 from tokenmesh.worker.registry import Record, Registry
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class WorkerConfig:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50061, "gRPC port; 0 picks a free one")
     triton_url: str = setting("", "use this running Triton (host:port, e.g. a sidecar) instead of starting one")
+    triton_metrics_url: str = setting("", "that Triton's metrics endpoint (http://host:8002/metrics), for its "
+                                          "pending count; ours is known")
     model_repository: str = setting("", "model repository for the Triton we start; empty = the shipped SmolLM2 model")
     devices: str = setting("", "CUDA_VISIBLE_DEVICES for our Triton; empty inherits the environment")
     cpus: str = setting("", "CPUs to pin the worker and its Triton to, e.g. '0-3' or '0,2'; empty = no pinning")
@@ -49,6 +52,7 @@ class WorkerConfig:
     work_dir: str = setting("", "folder for Triton's files and log; empty = a new temporary folder")
     resume_grace_s: float = setting(30.0, "how long a generation whose stream dropped is kept (running) for Resume")
     replay_buffer_bytes: int = setting(1024 * 1024, "per-generation replay buffer; a reader further behind fails")
+    memory_threshold: float = setting(0.92, "device memory fraction above which no generation is added")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
     ready_file: str = setting("", "write {address, triton_url, pid, triton_pid} as JSON here once SERVING")
 
@@ -57,6 +61,7 @@ class WorkerConfig:
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         check(self.slots >= 0, f"slots must be >= 0, got {self.slots}")
+        check(0 < self.memory_threshold <= 1, f"memory_threshold must be in (0, 1], got {self.memory_threshold}")
         check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         check(self.resume_grace_s > 0, f"resume_grace_s must be > 0, got {self.resume_grace_s}")
         check(self.replay_buffer_bytes >= 4096, f"replay_buffer_bytes must be >= 4096, got {self.replay_buffer_bytes}")
@@ -103,6 +108,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         *,
         resume_grace_s: float = 30.0,
         replay_buffer_bytes: int = 1024 * 1024,
+        memory_threshold: float = 0.92,
     ) -> None:
         self._backend = backend
         self._devices = devices
@@ -121,6 +127,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.limit: int | None = None
         """Admission limit while lowered after a device OOM; None = QUEUE_FACTOR x slots."""
         self.last_oom = 0.0
+        self._memory_threshold = memory_threshold
+        self._adaptive: AdaptiveLimit | None = None
+        self.device_readings: list[DeviceReading] = []
+        """The latest NVML readings (taken on each stats ping)."""
+        self.engine_pending: int | None = None
+        self.engine_queue_ms: float | None = None
         self.device_lost = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
@@ -150,9 +162,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         elif error.error_class == worker_pb2.ERROR_CLASS_DEVICE_LOST:
             self.device_lost.set()
 
-    def _timing(self, ttft_s: float | None, gap_s: float | None) -> None:
+    def _timing(self, record: Record, ttft_s: float | None, gap_s: float | None) -> None:
         if ttft_s is not None:
             self.ttft_ms = _ewma(self.ttft_ms, ttft_s * 1000)
+            self.adaptive().sample(ttft_s * 1000, queued=record.queued)
         if gap_s is not None:
             self.itl_ms = _ewma(self.itl_ms, gap_s * 1000)
 
@@ -183,9 +196,37 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Generations the models run at once (sum of their slots)."""
         return sum(spec.slots for spec in self._backend.models()) or 1
 
+    def adaptive(self) -> AdaptiveLimit:
+        """The latency- and memory-driven limit (made once the models, hence the slots, are known)."""
+        if self._adaptive is None:
+            slots = self.slots()
+            self._adaptive = AdaptiveLimit(initial=slots, maximum=QUEUE_FACTOR * slots,
+                                           memory_threshold=self._memory_threshold)
+        return self._adaptive
+
     def concurrency_limit(self) -> int:
-        """Generations the worker runs well at once: its slots, fewer after a device OOM."""
-        return min(self.slots(), self.admission_limit())
+        """Generations the worker should run at once: adaptive, never above the admission limit."""
+        return min(self.adaptive().limit(self.in_flight, self.device_readings), self.admission_limit())
+
+    async def poll_engine(self, interval_s: float = 0.5) -> None:
+        """Follow the engine's own queue figures (Triton's pending count and queue time)."""
+        previous: EngineStats | None = None
+        while True:
+            try:
+                stats = await self._backend.engine_stats()
+            except Exception as exc:  # noqa: BLE001 - a restarting engine; the figures go unset
+                log.debug("engine stats unavailable: %s", exc)
+                stats = None
+            if stats is None:
+                self.engine_pending = None
+            else:
+                self.engine_pending = stats.pending
+                if previous is not None and stats.queued_total > previous.queued_total:
+                    mean_ns = (stats.queue_ns_total - previous.queue_ns_total) / (
+                        stats.queued_total - previous.queued_total)
+                    self.engine_queue_ms = _ewma(self.engine_queue_ms, mean_ns / 1e6)
+            previous = stats
+            await asyncio.sleep(interval_s)
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[worker_pb2.WorkerCommand], context: grpc.aio.ServicerContext[Any, Any]
@@ -221,10 +262,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             timeout_s=context.time_remaining(),
             labels=dict(req.labels),
         )
+        queued = self.in_flight >= self.slots()
         self.in_flight += 1
         self.idle.clear()
         record = self.registry.start(req.request_id, first.first_seq or 1, first.tokens_before,
                                      self._backend.generate(params))
+        record.queued = queued
 
         async def watch_commands() -> None:
             async for command in request_iterator:
@@ -269,6 +312,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             now, tokens = time.monotonic(), self._tokens_now()
             rate = max(0.0, (tokens - last_tokens) / (now - last_time)) if now > last_time else 0.0
             last_time, last_tokens = now, tokens
+            self.device_readings = await asyncio.to_thread(self._devices)
             devices = [
                 worker_pb2.DeviceStats(
                     index=d.index,
@@ -277,7 +321,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     memory_total_bytes=d.memory_total_bytes,
                     utilization_percent=d.utilization_percent,
                 )
-                for d in await asyncio.to_thread(self._devices)
+                for d in self.device_readings
             ]
             yield worker_pb2.WorkerStats(
                 ping_id=ping.ping_id,
@@ -295,6 +339,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 tokens_total=self.tokens_total,
                 devices=devices,
                 triton_url=self._backend.endpoint,
+                triton_pending=self.engine_pending,
+                triton_queue_ms=self.engine_queue_ms,
+                ttft_baseline_ms=self.adaptive().baseline_ms if self._backend.models() else None,
             )
 
     async def Describe(  # noqa: N802 - gRPC method name
@@ -327,12 +374,14 @@ class Worker(Service):
             config.devices,
             resume_grace_s=config.resume_grace_s,
             replay_buffer_bytes=config.replay_buffer_bytes,
+            memory_threshold=config.memory_threshold,
         )
         service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
         self.host = ServiceHost(config.host, config.port, [service_name])
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.host.server)
         self._stopped = False
         self._monitor: asyncio.Task[None] | None = None
+        self._engine_poll: asyncio.Task[None] | None = None
 
     def _triton_backend(self) -> Backend:
         from tokenmesh.worker.triton import (
@@ -344,7 +393,7 @@ class Worker(Service):
 
         cfg = self.config
         if cfg.triton_url:
-            return TritonBackend(TritonBackendConfig(url=cfg.triton_url))
+            return TritonBackend(TritonBackendConfig(url=cfg.triton_url, metrics_url=cfg.triton_metrics_url or None))
         if cfg.work_dir:
             work_dir = Path(cfg.work_dir)
         else:
@@ -378,6 +427,7 @@ class Worker(Service):
         self.servicer.state_reason = "serving"
         await self.host.set_serving(True)
         self._monitor = asyncio.create_task(self._supervise_backend())
+        self._engine_poll = asyncio.create_task(self.servicer.poll_engine())
         log.info("worker SERVING on %s (Triton %s)", self.host.address, self.backend.endpoint)
         write_ready_file(
             self.config.ready_file,
@@ -433,8 +483,9 @@ class Worker(Service):
         if self._stopped:
             return
         self._stopped = True
-        if self._monitor is not None:
-            self._monitor.cancel()
+        for task in (self._monitor, self._engine_poll):
+            if task is not None:
+                task.cancel()
         self.servicer.serving = False
         self.servicer.state_reason = "draining"
         await self.host.set_serving(False)

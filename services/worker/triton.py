@@ -18,6 +18,7 @@ import shutil
 import socket
 import sys
 import sysconfig
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from tokenmesh.worker.backend import (
     Backend,
     BackendError,
     Delta,
+    EngineStats,
     Finished,
     Generation,
     GenerationParams,
@@ -57,6 +59,21 @@ def _pytriton_dir() -> Path:
     import pytriton
 
     return Path(pytriton.__file__).parent
+
+
+def _fetch_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - our own Triton's endpoint
+        return str(response.read().decode())
+
+
+def parse_pending(metrics: str) -> int | None:
+    """Sum of ``nv_inference_pending_request_count`` over models in Prometheus text; None if absent."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("nv_inference_pending_request_count{")
+    ]
+    return int(sum(values)) if values else None
 
 
 def _free_port(host: str) -> int:
@@ -331,6 +348,8 @@ class TritonBackendConfig:
 
     url: str | None = None
     """An existing Triton's gRPC host:port; None starts our own (process config)."""
+    metrics_url: str | None = None
+    """An existing Triton's metrics endpoint (http://host:8002/metrics), for its pending count."""
     process: TritonProcessConfig | None = None
     """How to start our own Triton (when url is None)."""
     default_max_context: int = 4096
@@ -426,6 +445,36 @@ class TritonBackend(Backend):
         except InferenceServerException:
             return False
         return True
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Triton's Prometheus endpoint: ours, or the one configured for an external Triton."""
+        if self.process is not None:
+            return f"http://{self.process.config.host}:{self.process.metrics_port}/metrics"
+        return self.config.metrics_url
+
+    async def engine_stats(self) -> EngineStats | None:
+        """Queue totals from Triton's statistics API; the pending gauge from its metrics endpoint."""
+        if self._client is None:
+            return None
+        try:
+            stats = await self._client.get_inference_statistics("", as_json=True, client_timeout=2)
+        except InferenceServerException as exc:
+            log.debug("Triton statistics unavailable: %s", exc)
+            return None
+        queued = queue_ns = 0
+        for model in stats.get("model_stats", []):
+            queue = model.get("inference_stats", {}).get("queue", {})
+            queued += int(queue.get("count", 0))
+            queue_ns += int(queue.get("ns", 0))
+        pending = None
+        if self.metrics_url:
+            try:
+                text = await asyncio.to_thread(_fetch_text, self.metrics_url)
+                pending = parse_pending(text)
+            except OSError as exc:
+                log.debug("Triton metrics unavailable at %s: %s", self.metrics_url, exc)
+        return EngineStats(queued_total=queued, queue_ns_total=queue_ns, pending=pending)
 
     def models(self) -> list[ModelSpec]:
         """Models found READY at start."""

@@ -7,7 +7,16 @@ import time
 from collections.abc import AsyncIterator
 
 from tokenmesh.v1 import worker_pb2
-from tokenmesh.worker.backend import Backend, BackendError, Delta, Finished, Generation, GenerationParams, ModelSpec
+from tokenmesh.worker.backend import (
+    Backend,
+    BackendError,
+    Delta,
+    EngineStats,
+    Finished,
+    Generation,
+    GenerationParams,
+    ModelSpec,
+)
 
 
 class FakeGeneration(Generation):
@@ -42,6 +51,24 @@ class FakeGeneration(Generation):
             error_class, message = self.backend.fault_once
             self.backend.fault_once = None
             raise BackendError(error_class, message)
+        if self.backend.engine_slots is not None:
+            # Like an engine with that many slots: the rest wait in its queue.
+            queued_at = time.monotonic()
+            self.backend.waiting += 1
+            try:
+                await self.backend.engine_slots.acquire()
+            finally:
+                self.backend.waiting -= 1
+            self.backend.queued_total += 1
+            self.backend.queue_ns_total += int((time.monotonic() - queued_at) * 1e9)
+        try:
+            async for event in self._tokens(params, prompt):
+                yield event
+        finally:
+            if self.backend.engine_slots is not None:
+                self.backend.engine_slots.release()
+
+    async def _tokens(self, params: GenerationParams, prompt: str) -> AsyncIterator[Delta | Finished]:
         prefilled = params.prompt if params.prompt else (prompt if params.messages[-1][0] == "assistant" else "")
         first = prefilled.count("tok")
         for i in range(params.max_tokens):
@@ -71,6 +98,16 @@ class FakeBackend(Backend):
         self.restarts = 0
         self.fault_once: tuple[int, str] | None = None
         """The next generation on this backend fails with (error_class, message)."""
+        self.engine_slots: asyncio.Semaphore | None = None
+        """When set, generations wait for one of these before their first token (an engine queue)."""
+        self.waiting = 0
+        self.queued_total = 0
+        self.queue_ns_total = 0
+
+    async def engine_stats(self) -> EngineStats | None:
+        if self.engine_slots is None:
+            return None
+        return EngineStats(queued_total=self.queued_total, queue_ns_total=self.queue_ns_total, pending=self.waiting)
 
     async def start(self) -> None:
         self.running = True

@@ -1,0 +1,152 @@
+"""The worker's adaptive concurrency limit: TTFT gradient against the unloaded baseline, memory cap."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from tokenmesh.prober.prober import Prober, ProberConfig, Scoring, WorkerView, compute_weight
+from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from tokenmesh.worker.concurrency import AdaptiveLimit
+from tokenmesh.worker.devices import DeviceReading
+
+from .conftest import InProcessMesh, in_process_mesh, wait_until
+from .test_failure_classes import stats
+
+
+async def collect(mesh: InProcessMesh, request: inference_pb2.GenerateRequest) -> list[inference_pb2.GenerateChunk]:
+    return [c async for c in mesh.inference.Generate(request)]
+
+GIB = 1024**3
+
+
+def feed(limit: AdaptiveLimit, ttft_ms: float, queued: bool, windows: int) -> list[int]:
+    values = []
+    for _ in range(windows):
+        for _ in range(limit.window):
+            limit.sample(ttft_ms, queued)
+        values.append(limit.value)
+    return values
+
+
+def test_limit_grows_while_ttft_stays_near_the_unloaded_baseline() -> None:
+    limit = AdaptiveLimit(initial=4, maximum=16)
+    values = feed(limit, 100.0, queued=False, windows=20)
+    assert values[:3] == [5, 6, 7]  # +0.5 sqrt(L) per window
+    assert values[-1] == 16  # up to the maximum, never past it
+    assert limit.baseline_ms == 100.0
+
+
+def test_limit_falls_when_queued_ttft_is_far_over_the_baseline_and_recovers() -> None:
+    limit = AdaptiveLimit(initial=16, maximum=16)
+    feed(limit, 100.0, queued=False, windows=1)
+    assert limit.value == 16
+    falling = feed(limit, 900.0, queued=True, windows=20)  # 9x the baseline: congestion
+    assert falling == sorted(falling, reverse=True) and falling[0] < 16
+    assert falling[-1] == 4  # gradient 0.5 settles where L = L/2 + sqrt(L)
+    assert limit.baseline_ms == 100.0  # queued samples never move the baseline
+    rising = feed(limit, 150.0, queued=True, windows=30)  # within 2x the baseline: fine
+    assert rising[-1] > 4 and rising == sorted(rising)
+
+
+def test_limit_does_not_move_before_an_unloaded_sample() -> None:
+    limit = AdaptiveLimit(initial=4, maximum=16)
+    feed(limit, 5000.0, queued=True, windows=5)
+    assert limit.value == 4 and limit.baseline_ms is None
+
+
+def test_memory_over_the_threshold_adds_nothing_to_what_runs() -> None:
+    limit = AdaptiveLimit(initial=8, maximum=16)
+    hot = [DeviceReading(0, "NVIDIA H200", 135 * GIB, 140 * GIB, 90)]  # 96% > 92%
+    assert limit.limit(in_flight=3, devices=hot) == 3
+    assert limit.limit(in_flight=0, devices=hot) == 1  # never below the minimum
+    assert limit.limit(in_flight=3, devices=()) == 8  # no GPU: no memory cap
+
+
+def test_memory_headroom_caps_the_limit_at_the_generations_it_holds() -> None:
+    limit = AdaptiveLimit(initial=16, maximum=16)
+    total = 100 * GIB
+    assert limit.limit(0, [DeviceReading(0, "gpu", 40 * GIB, total, 0)]) == 16  # idle: 40 GiB is the model
+    # 4 generations use 40 GiB more: 10 GiB each; 92 - 80 = 12 GiB more holds one more.
+    assert limit.limit(4, [DeviceReading(0, "gpu", 80 * GIB, total, 50)]) == 5
+    assert limit.limit(2, [DeviceReading(0, "gpu", 50 * GIB, total, 50)]) == 10  # 5 GiB each: 2 + 42/5 -> 10
+
+
+async def generate_direct(stub: worker_pb2_grpc.WorkerStub, request_id: str, tokens: int) -> int:
+    call = stub.Generate()
+    await call.write(worker_pb2.WorkerCommand(
+        start=inference_pb2.GenerateRequest(prompt="p", max_tokens=tokens, request_id=request_id)))
+    count = 0
+    async for event in call:
+        count += event.chunk.token_count
+    return count
+
+
+async def test_worker_limit_follows_engine_queueing_and_reports_tritons_queue_figures() -> None:
+    async with in_process_mesh() as mesh:
+        worker, backend = mesh.workers[0], mesh.backends[0]
+        backend.engine_slots = asyncio.Semaphore(4)
+        backend.delay = 0.005
+        servicer = worker.servicer
+        async with grpc.aio.insecure_channel(worker.host.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            # Waves of 4 fit the engine's slots: TTFT stays at its baseline, the limit grows.
+            for wave in range(12):
+                counts = await asyncio.gather(*(generate_direct(stub, f"a{wave}-{i}", 4) for i in range(4)))
+                assert counts == [4] * 4
+            grown = servicer.concurrency_limit()
+            assert grown > 4
+            # 16 at once: 12 wait in the engine's queue for a whole generation.
+            floods = [asyncio.create_task(generate_direct(stub, f"b{i}", 30)) for i in range(16)]
+            await wait_until(lambda: backend.waiting == 12)
+            await wait_until(lambda: servicer.engine_pending == 12, timeout=2)
+            seen = await stats(mesh, 0)
+            assert seen.triton_pending == 12
+            assert await asyncio.gather(*floods) == [30] * 16
+            for repeat in range(3):
+                await asyncio.gather(*(generate_direct(stub, f"c{repeat}-{i}", 30) for i in range(16)))
+            assert servicer.concurrency_limit() < grown
+            await wait_until(lambda: servicer.engine_queue_ms is not None and servicer.engine_pending == 0, timeout=2)
+            seen = await stats(mesh, 0)
+            assert seen.triton_queue_ms > 0 and seen.HasField("ttft_baseline_ms")
+            assert seen.concurrency_limit == servicer.concurrency_limit()
+        # The other worker's engine keeps no queue figures: unset, not zero.
+        other = await stats(mesh, 1)
+        assert not other.HasField("triton_pending") and not other.HasField("triton_queue_ms")
+
+
+def test_tritons_pending_queue_lowers_the_weight() -> None:
+    view = WorkerView("w", reachable=True, serving=True, stats_at=100.0,
+                      stats=worker_pb2.WorkerStats(concurrency_limit=4, in_flight=0, triton_pending=3))
+    weight = compute_weight(view, 100.0, Scoring())
+    assert weight.weight == 0.25 and "3 waiting in Triton's queue" in weight.reason
+
+
+async def test_router_never_sends_a_worker_more_than_its_adapted_limit(mesh: InProcessMesh) -> None:
+    for backend in mesh.backends:
+        backend.delay = 0.02
+    for worker in mesh.workers:
+        worker.servicer.adaptive()._estimate = 2.0  # as if TTFT had pushed it down to 2
+    addresses = tuple(w.host.address for w in mesh.workers)
+    prober = Prober(ProberConfig(port=0, workers=addresses, routers=(mesh.router.host.address,), interval_s=0.05))
+    await prober.start()
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, *(w.servicer.in_flight for w in mesh.workers))
+            await asyncio.sleep(0.002)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        pool = mesh.router.pool
+        await wait_until(lambda: all(e.limit == 2 for e in pool.entries.values()), timeout=3)
+        requests = [inference_pb2.GenerateRequest(prompt="p", max_tokens=10, request_id=f"r{i}") for i in range(10)]
+        results = await asyncio.gather(*(collect(mesh, r) for r in requests))
+    finally:
+        watcher.cancel()
+        await prober.stop()
+    assert [chunks[-1].finish_reason for chunks in results] == [inference_pb2.FINISH_REASON_LENGTH] * 10
+    assert peak == 2
