@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from tokenmesh.bench.command import BenchError
 from tokenmesh.config import ConfigError, add_arguments, from_namespace
 
 DEFAULT_ADDR = "127.0.0.1:50051"
@@ -28,6 +29,7 @@ def _add_addr(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used to document the configuration)."""
+    from tokenmesh.bench.command import add_arguments as add_bench_arguments
     from tokenmesh.prober.prober import ProberConfig
     from tokenmesh.router.service import RouterConfig
     from tokenmesh.worker.service import WorkerConfig
@@ -49,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="address every service listens on (default 127.0.0.1)")
     up.add_argument("--threads", type=int, default=0, help="llama.cpp threads per worker (default: cores / workers)")
     up.add_argument("--slots", type=int, default=0, help="concurrent generations per worker (default: the model's)")
+    up.add_argument("--model", choices=("smollm2", "synthetic"), default="smollm2",
+                    help="smollm2: SmolLM2 on llama.cpp (default); synthetic: placeholder tokens at 1,000 tokens/s "
+                         "per stream, for measuring the mesh itself")
     up.add_argument("--log-dir", default="", help="write each service's log to LOG_DIR/<name>.log (default: stderr)")
 
     gen = sub.add_parser("generate", help="stream a generation to stdout")
@@ -63,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
     gen.add_argument("--verbose", "-v", action="store_true", help="print each chunk's seq and counts to stderr")
     _add_addr(gen)
+
+    bench = sub.add_parser(
+        "bench", help="measure TTFT, TPOT, ITL, throughput and interruptions of the mesh or of Triton directly",
+        description="Drive the mesh (Inference/Generate) or a Triton model directly, closed or open loop, "
+                    "and report the figures callers feel; --compare puts the mesh beside direct Triton. "
+                    "Definitions: TTFT = send to first text chunk; E2E = send to final chunk; "
+                    "TPOT = (E2E - TTFT)/(output tokens - 1); ITL = every gap between text chunks; "
+                    "throughput = output tokens of successful requests / (first send to last end); "
+                    "goodput = requests within every --slo bound / duration; interruption rate = requests that "
+                    "ended in an error or a seq gap / all; stream tokens/s = output tokens / E2E (its variance "
+                    "sigma^2 shows how evenly streams are served).")
+    add_bench_arguments(bench, os.environ.get("TOKENMESH_ADDR", DEFAULT_ADDR))
 
     status = sub.add_parser("status", help="show the router's routing table")
     _add_addr(status)
@@ -106,12 +123,15 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 def _up(args: argparse.Namespace) -> int:
     from tokenmesh.mesh import Mesh, MeshConfig, MeshStartError
+    from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
 
+    repository = "" if args.model == "smollm2" else str(SHIPPED_REPOSITORIES[args.model])
     mesh = Mesh(MeshConfig(workers=args.workers, host=args.host, port=args.port, threads=args.threads,
-                           slots=args.slots, log_dir=args.log_dir))
+                           slots=args.slots, log_dir=args.log_dir, model_repository=repository))
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
-    print(f"starting {args.workers} workers (Triton + SmolLM2, {mesh.threads_per_worker} threads each, "
+    engine = "SmolLM2" if args.model == "smollm2" else "the synthetic model"
+    print(f"starting {args.workers} workers (Triton + {engine}, {mesh.threads_per_worker} threads each, "
           f"pinned to {os.cpu_count()} CPUs shared out)...", file=sys.stderr)
     try:
         mesh.start()
@@ -214,9 +234,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _up(args)
         if args.command in ("router", "worker", "prober"):
             return _run_service(args)
+        if args.command == "bench":
+            from tokenmesh.bench.command import run as bench
+
+            return asyncio.run(bench(args))
         handler = {"generate": _generate, "status": _status, "models": _models}[args.command]
         return asyncio.run(handler(args))
-    except ConfigError as exc:
+    except (ConfigError, BenchError) as exc:
         print(f"tokenmesh {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except grpc.aio.AioRpcError as exc:

@@ -33,6 +33,7 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.bdp_probe", 0),
     ("grpc.max_receive_message_length", 8 * 1024 * 1024),
     ("grpc.max_send_message_length", 8 * 1024 * 1024),
 )

@@ -30,6 +30,10 @@ FINISH_REASONS = {
 }
 
 
+MERGED_SHARE = 8
+"""A merged chunk stays under 1/8 of the replay buffer, so a reader that stops reading still overflows it."""
+
+
 class Record:
     """One generation: its events so far (bounded in bytes) and its state.
 
@@ -52,6 +56,10 @@ class Record:
         self.evicted = 0
         self.bytes = 0
         self.max_bytes = max_bytes
+        self.read = 0
+        """Events some reader has taken (those are never merged into)."""
+        self.merged = 0
+        """Chunks merged into an unread one."""
         self.done = False
         self.finished_at = 0.0
         self.attached = 0
@@ -69,7 +77,23 @@ class Record:
         return self.evicted + len(self.events)
 
     async def append(self, event: worker_pb2.WorkerEvent) -> None:
-        """Add an event, evicting the oldest beyond the byte budget; wake readers."""
+        """Add an event, evicting the oldest beyond the byte budget; wake readers.
+
+        A chunk that arrives while the previous chunk is still unread by every
+        reader is merged into it (text and token count): a reader that falls
+        behind gets fewer, larger messages, never a chunk held back. Only
+        unread chunks are merged, so every seq a reader saw keeps its meaning
+        for Resume.
+        """
+        last = self.events[-1] if self.events and self.total > self.read else None
+        if (last is not None and event.HasField("chunk") and last.HasField("chunk")
+                and last.ByteSize() + event.ByteSize() <= self.max_bytes // MERGED_SHARE):
+            self.bytes -= last.ByteSize()
+            last.chunk.text += event.chunk.text
+            last.chunk.token_count += event.chunk.token_count
+            self.bytes += last.ByteSize()
+            self.merged += 1
+            return  # readers were woken for that chunk and have not taken it yet
         if event.WhichOneof("event") != "error":
             event.seq = self.first_seq + self.total
         size = event.ByteSize()
@@ -114,6 +138,7 @@ class Record:
                         )
                     event = self.events[position - self.evicted]
                     position += 1
+                    self.read = max(self.read, position)
                     yield event
                     if not event.seq:
                         return  # an error ends the stream

@@ -48,6 +48,12 @@ from tokenmesh.worker.backend import (
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
+SHIPPED_REPOSITORIES = {
+    "smollm2": DEFAULT_MODEL_REPOSITORY,
+    # Placeholder tokens at a fixed rate: measures the mesh, not a model.
+    "synthetic": Path(__file__).parent / "synthetic_repository",
+}
+"""The model repositories tokenmesh ships, by the model they hold (``tokenmesh up --model``)."""
 PORT_ATTEMPTS = 3
 
 

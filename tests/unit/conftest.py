@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import pytest
@@ -42,10 +43,12 @@ async def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) ->
 
 @contextlib.asynccontextmanager
 async def in_process_mesh(
-    worker_settings: dict[str, object] | None = None, **router_settings: object
+    worker_settings: dict[str, object] | None = None,
+    backend_settings: dict[str, Any] | None = None,
+    **router_settings: object,
 ) -> AsyncIterator[InProcessMesh]:
     """Two workers over FakeBackend and a router (no prober: even split over healthy workers)."""
-    backends = [FakeBackend(), FakeBackend()]
+    backends = [FakeBackend(**(backend_settings or {})), FakeBackend(**(backend_settings or {}))]
     workers = [Worker(WorkerConfig(port=0, drain_grace_s=1, **(worker_settings or {})), backend=b) for b in backends]
     for w in workers:
         await w.start()

@@ -97,13 +97,14 @@ async def test_worker_limit_follows_engine_queueing_and_reports_tritons_queue_fi
                 assert counts == [4] * 4
             grown = servicer.concurrency_limit()
             assert grown > 4
-            # 16 at once: 12 wait in the engine's queue for a whole generation.
-            floods = [asyncio.create_task(generate_direct(stub, f"b{i}", 30)) for i in range(16)]
+            # 16 at once: 12 wait in the engine's queue for a whole generation (0.8 s: the
+            # worker reads the engine's figures every 0.5 s).
+            floods = [asyncio.create_task(generate_direct(stub, f"b{i}", 160)) for i in range(16)]
             await wait_until(lambda: backend.waiting == 12)
             await wait_until(lambda: servicer.engine_pending == 12, timeout=2)
             seen = await stats(mesh, 0)
             assert seen.triton_pending == 12
-            assert await asyncio.gather(*floods) == [30] * 16
+            assert await asyncio.gather(*floods) == [160] * 16
             for repeat in range(3):
                 await asyncio.gather(*(generate_direct(stub, f"c{repeat}-{i}", 30) for i in range(16)))
             assert servicer.concurrency_limit() < grown

@@ -88,10 +88,13 @@ async def test_caller_errors_never_count_against_a_worker(mesh: InProcessMesh) -
 
 
 async def test_slow_reader_gets_resource_exhausted() -> None:
-    async with in_process_mesh(worker_settings={"replay_buffer_bytes": 4096}) as mesh:
+    async with in_process_mesh(worker_settings={"replay_buffer_bytes": 4096},
+                               backend_settings={"max_context": 32768}) as mesh:
         for b in mesh.backends:
             b.delay = 0
-        call = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="p" * 10, max_tokens=500))
+        # ~170 KB of text, more than the HTTP/2 windows on the way hold; unread chunks merge,
+        # but a merged chunk stays under 1/8 of the buffer, so the buffer still overflows.
+        call = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="p" * 10, max_tokens=20000))
         await call.read()
         await asyncio.sleep(1.0)  # the caller stops reading while the worker generates
         with pytest.raises(grpc.aio.AioRpcError) as info:

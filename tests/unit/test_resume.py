@@ -7,10 +7,10 @@ import asyncio
 import grpc
 import pytest
 
-from tokenmesh.errors import OutOfRange
-from tokenmesh.v1 import inference_pb2
+from tokenmesh.errors import OutOfRange, ResourceExhausted
+from tokenmesh.v1 import inference_pb2, worker_pb2
 from tokenmesh.worker.backend import GenerationParams
-from tokenmesh.worker.registry import Registry
+from tokenmesh.worker.registry import Record, Registry
 
 from .conftest import InProcessMesh, in_process_mesh, wait_until
 from .fakes import FakeBackend
@@ -113,5 +113,36 @@ async def test_replay_buffer_is_bounded_and_says_what_was_dropped() -> None:
     with pytest.raises(OutOfRange, match="no longer kept"):
         [e async for e in record.stream(0)]
     tail = [e async for e in record.stream(record.first_seq + record.evicted - 1)]
-    assert tail[-1].WhichOneof("event") == "end" and tail[-1].seq == 101
+    assert tail[-1].WhichOneof("event") == "end" and tail[-1].seq == record.total
+    assert record.merged > 0  # nobody read: chunks merged, each under 200/8 bytes
+    assert all(e.chunk.ByteSize() <= 25 for e in tail if e.HasField("chunk"))
     await registry.close()
+
+
+def chunk(text: str) -> worker_pb2.WorkerEvent:
+    return worker_pb2.WorkerEvent(chunk=worker_pb2.TokenChunk(text=text, token_count=1))
+
+
+async def test_unread_chunks_merge_read_ones_never_change_and_a_stopped_reader_overflows() -> None:
+    backend = FakeBackend()
+    record = Record("m", 1, 0, backend.generate(GenerationParams(model="fake", prompt="p")), max_bytes=4096)
+    reader = record.stream(0)
+    await record.append(chunk("a "))
+    first = await anext(reader)
+    assert (first.seq, first.chunk.text) == (1, "a ")
+    for text in ("b ", "c ", "d "):  # the reader is busy (e.g. its gRPC write waits)
+        await record.append(chunk(text))
+    assert (record.total, record.merged) == (2, 2)
+    assert (first.chunk.text, first.chunk.token_count) == ("a ", 1)  # what was read never changes
+    second = await anext(reader)
+    assert (second.seq, second.chunk.text, second.chunk.token_count) == (2, "b c d ", 3)
+    # A resume from seq 1 sees exactly what the live reader saw.
+    replay = record.stream(1)
+    assert (await anext(replay)).chunk.text == "b c d "
+    await replay.aclose()
+    # A reader that stops: merged chunks stay under 4096/8 bytes, so the buffer overflows for it.
+    for i in range(800):
+        await record.append(chunk(f"token{i:04d} "))
+    assert max(e.ByteSize() for e in record.events) <= 4096 // 8 and record.evicted > 2
+    with pytest.raises(ResourceExhausted, match="reader too slow"):
+        await anext(reader)

@@ -1,0 +1,1 @@
+"""``tokenmesh bench``: load generation and the figures callers judge a mesh by."""

@@ -1,0 +1,109 @@
+"""How ``tokenmesh bench`` shows its figures: a summary table, mesh/direct ratios, JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenmesh.bench.metrics import RequestResult
+
+LATENCIES = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E latency", "e2e_s"))
+
+
+def _ms(dist: Mapping[str, float] | None, key: str) -> str:
+    return f"{dist[key] * 1000:10.2f}" if dist else f"{'-':>10}"
+
+
+def table(name: str, summary: Mapping[str, Any]) -> str:
+    """The summary of one target as a text table."""
+    lines = [
+        f"== {name}: {summary['successful']}/{summary['requests']} requests in {summary['duration_s']:.2f} s ==",
+        f"{'':24}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+    ]
+    for label, key in LATENCIES:
+        dist = summary[key]
+        lines.append(f"{label + ' (ms)':24}" + "".join(_ms(dist, k) for k in ("mean", "p50", "p90", "p99")))
+    rates = summary["stream_tokens_per_s"]
+    if rates:
+        lines.append(f"{'stream tokens/s':24}" + "".join(f"{rates[k]:10.2f}" for k in ("mean", "p50", "p90", "p99")))
+    variance = summary["stream_tokens_per_s_variance"]
+    lines += [
+        f"{'output tokens/s':24}{summary['output_tokens_per_s']:10.1f}",
+        f"{'requests/s':24}{summary['requests_per_s']:10.3f}",
+    ]
+    if summary["goodput_requests_per_s"] is not None:
+        slo = ", ".join(f"{k} <= {v:g} ms" for k, v in summary["slo_ms"].items())
+        lines.append(f"{'goodput (req/s)':24}{summary['goodput_requests_per_s']:10.3f}   ({slo})")
+    lines.append(f"{'interruption rate':24}{summary['interruption_rate']:10.2%}")
+    if variance is not None:
+        lines.append(f"{'stream tokens/s var':24}{variance:10.2f}   (sigma^2 over streams)")
+    if summary["errors"]:
+        lines.append(f"{'errors':24}" + ", ".join(f"{code} x{n}" for code, n in summary["errors"].items()))
+    return "\n".join(lines)
+
+
+def ratios(mesh: Mapping[str, Any], direct: Mapping[str, Any]) -> dict[str, float | None]:
+    """mesh/direct ratios and mesh-minus-direct overheads (ms) of the figures the mesh is judged by."""
+
+    def pick(summary: Mapping[str, Any], key: str, p: str) -> float | None:
+        dist = summary[key]
+        return dist[p] if dist else None
+
+    out: dict[str, float | None] = {}
+    for p in ("p50", "p99"):
+        m, d = pick(mesh, "ttft_s", p), pick(direct, "ttft_s", p)
+        out[f"ttft_{p}_ratio"] = m / d if m is not None and d else None
+        out[f"ttft_{p}_overhead_ms"] = (m - d) * 1000 if m is not None and d is not None else None
+    d_tps = direct["output_tokens_per_s"]
+    out["output_tokens_per_s_ratio"] = mesh["output_tokens_per_s"] / d_tps if d_tps else None
+    return out
+
+
+def ratio_table(values: Mapping[str, float | None]) -> str:
+    """The comparison as text."""
+    def show(key: str, unit: str = "") -> str:
+        value = values[key]
+        return "-" if value is None else f"{value:.3f}{unit}"
+
+    return "\n".join([
+        "== mesh / direct Triton ==",
+        f"TTFT p50: {show('ttft_p50_ratio')}x  (overhead {show('ttft_p50_overhead_ms', ' ms')})",
+        f"TTFT p99: {show('ttft_p99_ratio')}x  (overhead {show('ttft_p99_overhead_ms', ' ms')})",
+        f"output tokens/s: {show('output_tokens_per_s_ratio')}x",
+    ])
+
+
+def write_json(path: str, report: Mapping[str, Any]) -> None:
+    """The whole report as JSON."""
+    Path(path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def plot(path: str, runs: Mapping[str, Sequence[RequestResult]]) -> None:
+    """TTFT and ITL distributions and output throughput over time (1 s bins), one series per target."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, (ttft_ax, itl_ax, rate_ax) = plt.subplots(1, 3, figsize=(15, 4))
+    start = min((r.sent for results in runs.values() for r in results), default=0.0)
+    for name, results in runs.items():
+        ok = [r for r in results if r.ok]
+        ttft_ax.hist([r.ttft * 1000 for r in ok if r.ttft is not None], bins=40, alpha=0.6, label=name)
+        itl_ax.hist([gap * 1000 for r in ok for gap in r.itls], bins=60, alpha=0.6, label=name)
+        bins: dict[int, int] = {}
+        for r in ok:
+            for t, tokens in zip(r.chunk_times, r.chunk_tokens, strict=True):
+                bins[int(t - start)] = bins.get(int(t - start), 0) + tokens
+        seconds = sorted(bins)
+        rate_ax.plot(seconds, [bins[s] for s in seconds], label=name)
+    ttft_ax.set(title="TTFT", xlabel="ms", ylabel="requests")
+    itl_ax.set(title="ITL (inter-chunk gaps)", xlabel="ms", ylabel="gaps")
+    rate_ax.set(title="output throughput", xlabel="s since start", ylabel="tokens/s")
+    for ax in (ttft_ax, itl_ax, rate_ax):
+        ax.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)

@@ -1,0 +1,209 @@
+"""What ``tokenmesh bench`` drives: the mesh's router, or Triton models directly (the baseline)."""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as triton_aio
+from tritonclient.grpc import InferInput
+from tritonclient.utils import InferenceServerException
+
+from tokenmesh.bench.metrics import RequestResult
+from tokenmesh.bench.prompts import Prompt
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+class TargetError(Exception):
+    """The target cannot be used (unreachable, unknown model)."""
+
+
+class Target(abc.ABC):
+    """Somewhere generations run; :meth:`run` measures one."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def open(self) -> None:
+        """Connect and check the model; TargetError when that fails."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections."""
+
+    @abc.abstractmethod
+    async def run(self, prompt: Prompt, result: RequestResult) -> None:
+        """Send prompt and fill result as its stream arrives (result.sent is already set)."""
+
+
+class MeshTarget(Target):
+    """``tokenmesh.v1.Inference/Generate`` on a router."""
+
+    name = "mesh"
+
+    def __init__(self, addr: str, model: str = "", *, ignore_eos: bool = True, seed: int | None = 0) -> None:
+        self.addr = addr
+        self.model = model
+        self.ignore_eos = ignore_eos
+        self.seed = seed
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: inference_pb2_grpc.InferenceStub | None = None
+
+    async def open(self) -> None:
+        """Connect and resolve the model (the default when none is named)."""
+        self._channel = grpc.aio.insecure_channel(self.addr)
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+        try:
+            listed = await self._stub.ListModels(inference_pb2.ListModelsRequest(), timeout=CONNECT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise TargetError(f"cannot reach the mesh at {self.addr}: {exc.code().name}: {exc.details()}") from None
+        names = [m.name for m in listed.models]
+        if not self.model:
+            self.model = next((m.name for m in listed.models if m.is_default), names[0] if names else "")
+        if self.model not in names:
+            raise TargetError(f"model {self.model!r} is not served by the mesh at {self.addr} "
+                              f"(served: {', '.join(names) or 'none'})")
+
+    async def triton_endpoints(self) -> list[str]:
+        """Every worker's Triton gRPC URL, from the router's routing table."""
+        assert self._channel is not None
+        try:
+            table = await router_pb2_grpc.RouterStub(self._channel).GetRoutingTable(
+                router_pb2.GetRoutingTableRequest(), timeout=CONNECT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise TargetError(f"cannot read the routing table at {self.addr}: {exc.details()}") from None
+        urls = [w.triton_url for w in table.workers if w.triton_url and w.state == router_pb2.WORKER_STATE_SERVING]
+        if not urls:
+            raise TargetError(f"the router at {self.addr} lists no SERVING worker with a Triton URL; "
+                              "give --triton-url")
+        return urls
+
+    async def close(self) -> None:
+        """Close the channel."""
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def run(self, prompt: Prompt, result: RequestResult) -> None:
+        """Stream one generation; a seq that skips or repeats ends it as SEQ_GAP."""
+        assert self._stub is not None
+        request = inference_pb2.GenerateRequest(
+            model=self.model, prompt=prompt.text, max_tokens=prompt.max_tokens, ignore_eos=self.ignore_eos)
+        for role, content in prompt.messages:
+            request.messages.add(role=role, content=content)
+        if self.seed is not None:
+            request.seed = self.seed
+        expected = 1
+        try:
+            async for chunk in self._stub.Generate(request):
+                now = time.monotonic()
+                if chunk.seq != expected:
+                    result.error = "SEQ_GAP"
+                    result.ended = now
+                    return
+                expected += 1
+                if chunk.text:
+                    result.chunk_times.append(now)
+                    result.chunk_tokens.append(chunk.token_count)
+                if chunk.finish_reason:
+                    result.output_tokens = chunk.usage.completion_tokens
+                    result.ended = now
+                    if chunk.finish_reason == inference_pb2.FINISH_REASON_ERROR:
+                        result.error = "FINISH_REASON_ERROR"
+            if result.ended is None:
+                result.error, result.ended = "NO_FINAL_CHUNK", time.monotonic()
+        except grpc.aio.AioRpcError as exc:
+            result.error = exc.code().name
+            result.ended = time.monotonic()
+
+
+def _bytes_input(name: str, value: str) -> InferInput:
+    tensor = InferInput(name, [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+    return tensor
+
+
+class TritonTarget(Target):
+    """A Triton model straight over ``stream_infer`` (the vLLM backend's tensors), round-robin over URLs."""
+
+    name = "triton"
+
+    def __init__(self, urls: Sequence[str], model: str, *, ignore_eos: bool = True, seed: int | None = 0) -> None:
+        if not urls:
+            raise TargetError("no Triton URL: give --triton-url HOST:PORT")
+        self.urls = list(urls)
+        self.model = model
+        self.ignore_eos = ignore_eos
+        self.seed = seed
+        self._clients: list[triton_aio.InferenceServerClient] = []
+        self._next: Any = None
+
+    async def open(self) -> None:
+        """Connect to every URL and check the model is ready on each."""
+        for url in self.urls:
+            client = triton_aio.InferenceServerClient(url)
+            self._clients.append(client)
+            try:
+                if not await client.is_server_live(client_timeout=CONNECT_TIMEOUT_S):
+                    raise TargetError(f"Triton at {url} is not live")
+                ready = await client.is_model_ready(self.model, client_timeout=CONNECT_TIMEOUT_S)
+            except InferenceServerException as exc:
+                raise TargetError(f"cannot reach Triton at {url}: {exc.message()}") from None
+            if not ready:
+                index = await client.get_model_repository_index(as_json=True, client_timeout=CONNECT_TIMEOUT_S)
+                served = ", ".join(m["name"] for m in index.get("models", []) if m.get("state") == "READY")
+                raise TargetError(f"model {self.model!r} is not ready on Triton at {url} (ready: {served or 'none'})")
+        self._next = itertools.cycle(self._clients)
+
+    async def close(self) -> None:
+        """Close every client."""
+        for client in self._clients:
+            await client.close()
+
+    async def run(self, prompt: Prompt, result: RequestResult) -> None:
+        """Stream one decoupled inference; tokens from num_output_tokens when the model reports it."""
+        sampling: dict[str, Any] = {"max_tokens": prompt.max_tokens, "ignore_eos": self.ignore_eos}
+        if self.seed is not None:
+            sampling["seed"] = self.seed
+        stream = InferInput("stream", [1], "BOOL")
+        stream.set_data_from_numpy(np.array([True], dtype=bool))
+        inputs = [_bytes_input("text_input", prompt.text), stream, _bytes_input("sampling_parameters",
+                                                                                  json.dumps(sampling))]
+        if prompt.messages:
+            inputs.append(_bytes_input("messages", json.dumps([{"role": r, "content": c} for r, c in prompt.messages])))
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": self.model, "inputs": inputs}
+
+        client = next(self._next)
+        counted = 0
+        try:
+            async for response, error in client.stream_infer(requests()):
+                now = time.monotonic()
+                if error is not None:
+                    raise error
+                texts = response.as_numpy("text_output")
+                text = b"".join(texts.reshape(-1)).decode(errors="replace") if texts is not None else ""
+                tokens_array = response.as_numpy("num_output_tokens")
+                tokens = int(tokens_array.reshape(-1)[0]) if tokens_array is not None else (1 if text else 0)
+                final = response.get_response().parameters["triton_final_response"].bool_param
+                if text:
+                    result.chunk_times.append(now)
+                    result.chunk_tokens.append(tokens if not final else max(tokens - counted, 0))
+                if final:
+                    # The final response carries the request's total (the model's usage extension).
+                    result.output_tokens = max(tokens, counted) if tokens_array is not None else counted + tokens
+                    result.ended = now
+                    return
+                counted += tokens
+            result.error, result.ended = "NO_FINAL_RESPONSE", time.monotonic()
+        except InferenceServerException as exc:
+            result.error = (exc.status() or "TRITON_ERROR").removeprefix("StatusCode.")
+            result.ended = time.monotonic()
