@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import uvloop
 
 from tokenmesh.bench.command import BenchError
 from tokenmesh.config import ConfigError, add_arguments, from_namespace
@@ -109,7 +110,8 @@ def _run_service(args: argparse.Namespace) -> int:
         # Built inside the loop: grpc.aio servers and channels bind to the running loop.
         await service(config).run()
 
-    asyncio.run(serve())
+    # uvloop: less event-loop overhead per relayed message than asyncio's own loop.
+    uvloop.run(serve())
     return 0
 
 

@@ -33,9 +33,17 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.bdp_probe", 0),
     ("grpc.max_receive_message_length", 8 * 1024 * 1024),
     ("grpc.max_send_message_length", 8 * 1024 * 1024),
+)
+# The router's channels to workers: a small per-stream window (no BDP growth)
+# so that a router that falls behind a stream holds the worker back, and the
+# worker merges the chunks waiting for it into one message (exact seq; see
+# Record.append) instead of gRPC buffering them one by one.
+WORKER_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    *CHANNEL_OPTIONS,
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 4096),
 )
 SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_time_ms", 10_000),

@@ -141,6 +141,8 @@ async def run(args: argparse.Namespace) -> int:
             await triton.open()
             targets.append(triton)
         runs: dict[str, list[RequestResult]] = {t.name: [] for t in targets}
+        # Seconds each target was measured: with --compare, its own blocks only.
+        busy: dict[str, float] = {t.name: 0.0 for t in targets}
         for target in targets:
             if warmup:
                 await drive(target, [p.tagged(target.name) for p in warmup], Load(concurrency=args.concurrency))
@@ -153,10 +155,13 @@ async def run(args: argparse.Namespace) -> int:
                 part = measured[block * size:(block + 1) * size]
                 for target in (targets if block % 2 == 0 else targets[::-1]):
                     tagged = [p.tagged(target.name) for p in part]
-                    runs[target.name] += await _measure(target, tagged, load, args.progress, len(part))
+                    block_results = await _measure(target, tagged, load, args.progress, len(part))
+                    runs[target.name] += block_results
+                    busy[target.name] += metrics.span(block_results)
         else:
             target = targets[0]
             runs[target.name] = await _measure(target, measured, load, args.progress, total)
+            busy[target.name] = metrics.span(runs[target.name])
     except TargetError as exc:
         raise BenchError(str(exc)) from None
     finally:
@@ -165,7 +170,7 @@ async def run(args: argparse.Namespace) -> int:
         if mesh not in targets:
             await mesh.close()
 
-    summaries = {name: metrics.summarize(results, slo) for name, results in runs.items()}
+    summaries = {name: metrics.summarize(results, slo, busy[name]) for name, results in runs.items()}
     for name, summary in summaries.items():
         print(report.table(name, summary))
     document: dict[str, Any] = {"summaries": summaries, "arguments": {

@@ -141,12 +141,22 @@ def meets(result: RequestResult, slo: dict[str, float]) -> bool:
     return True
 
 
-def summarize(results: Sequence[RequestResult], slo: dict[str, float] | None = None) -> dict[str, Any]:
-    """The run's figures (see the module docstring for each definition)."""
+def span(results: Sequence[RequestResult]) -> float:
+    """From the first request sent to the last stream ended."""
+    ends = [r.ended for r in results if r.ended is not None]
+    return (max(ends) - min(r.sent for r in results)) if results and ends else 0.0
+
+
+def summarize(results: Sequence[RequestResult], slo: dict[str, float] | None = None,
+              duration_s: float | None = None) -> dict[str, Any]:
+    """The run's figures (see the module docstring for each definition).
+
+    duration_s overrides the span of the results (a target measured in
+    several blocks, interleaved with another, is timed over its blocks only).
+    """
     slo = slo or {}
     ok = [r for r in results if r.ok]
-    ends = [r.ended for r in results if r.ended is not None]
-    duration = (max(ends) - min(r.sent for r in results)) if results and ends else 0.0
+    duration = span(results) if duration_s is None else duration_s
     tokens = sum(r.output_tokens for r in ok)
     rates = [rate for r in ok if (rate := r.tokens_per_s) is not None]
     errors = collections.Counter(r.error or "NO_END" for r in results if not r.ok)
@@ -166,5 +176,6 @@ def summarize(results: Sequence[RequestResult], slo: dict[str, float] | None = N
         "itl_s": distribution([gap for r in ok for gap in r.itls]),
         "e2e_s": distribution([e for r in ok if (e := r.e2e) is not None]),
         "stream_tokens_per_s": distribution(rates),
+        "tokens_per_chunk": distribution([n for r in ok for n in r.chunk_tokens]),
         "stream_tokens_per_s_variance": statistics.pvariance(rates) if rates else None,
     }

@@ -28,6 +28,9 @@ def table(name: str, summary: Mapping[str, Any]) -> str:
     rates = summary["stream_tokens_per_s"]
     if rates:
         lines.append(f"{'stream tokens/s':24}" + "".join(f"{rates[k]:10.2f}" for k in ("mean", "p50", "p90", "p99")))
+    per_chunk = summary["tokens_per_chunk"]
+    if per_chunk:
+        lines.append(f"{'tokens per chunk':24}" + "".join(f"{per_chunk[k]:10.2f}" for k in ("mean", "p50", "p90", "p99")))
     variance = summary["stream_tokens_per_s_variance"]
     lines += [
         f"{'output tokens/s':24}{summary['output_tokens_per_s']:10.1f}",

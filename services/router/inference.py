@@ -100,6 +100,43 @@ def _chunk(event: worker_pb2.WorkerEvent, request_id: str, model: str) -> infere
     )
 
 
+class _StallWatchdog:
+    """Cancels a worker call that sends nothing for too long (then ``stalled`` says why).
+
+    One timer per stream that re-arms itself, instead of a timeout around
+    every read: a read per token is the router's hot path.
+    """
+
+    def __init__(self, call: grpc.aio.StreamStreamCall[Any, Any], first_s: float, between_s: float) -> None:
+        self._call = call
+        self._loop = asyncio.get_running_loop()
+        self._limit = first_s
+        self._between = between_s
+        self._last = self._loop.time()
+        self.stalled = ""
+        self._timer = self._loop.call_at(self._last + first_s, self._check)
+
+    def fed(self) -> None:
+        """An event arrived."""
+        self._last = self._loop.time()
+        if self._limit != self._between:  # the first event: from the TTFT limit to the stall limit
+            self._limit = self._between
+            self._timer.cancel()
+            self._timer = self._loop.call_at(self._last + self._between, self._check)
+
+    def _check(self) -> None:
+        due = self._last + self._limit
+        if self._loop.time() < due:
+            self._timer = self._loop.call_at(due, self._check)
+            return
+        self.stalled = f"stalled: no output for {self._limit:g} s"
+        self._call.cancel()
+
+    def stop(self) -> None:
+        """No more checks."""
+        self._timer.cancel()
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """Generate, Resume, Cancel, ListModels."""
 
@@ -256,7 +293,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         stub = self._stubs[entry.address]
         call = stub.Generate(timeout=context.time_remaining())
         live.call = call
-        timeout = self._config.ttft_timeout_s
+        watchdog = _StallWatchdog(call, self._config.ttft_timeout_s, self._config.stall_timeout_s)
         received = False
         finished = False
         detach = False
@@ -268,13 +305,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if live.cancel_requested:
                 await call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
             while True:
-                try:
-                    event = await asyncio.wait_for(call.read(), timeout)
-                except TimeoutError:
-                    raise _WorkerFailed(f"stalled: no output for {timeout:g} s") from None
+                event = await call.read()
                 if event is grpc.aio.EOF:
                     raise _WorkerFailed("worker closed the stream without an end")
-                timeout = self._config.stall_timeout_s
+                watchdog.fed()
                 received = True
                 kind = event.WhichOneof("event")
                 if kind == "error":
@@ -306,10 +340,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 # Mid-stream: the caller reads too slowly (the worker's replay buffer overflowed).
                 raise ResourceExhausted(exc.details() or "caller too slow") from exc
             raise _WorkerFailed(f"{code.name}: {exc.details()}") from exc
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
+            if watchdog.stalled:
+                raise _WorkerFailed(watchdog.stalled) from None
+            detach = resumable  # the caller went away
+            raise
+        except GeneratorExit:
             detach = resumable  # the caller went away
             raise
         finally:
+            watchdog.stop()
             live.call = None
             call.cancel()
             if not finished and not detach:

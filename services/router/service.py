@@ -15,7 +15,7 @@ from tokenmesh.router.admission import Admission
 from tokenmesh.router.config import RouterConfig
 from tokenmesh.router.inference import InferenceServicer
 from tokenmesh.router.pool import WorkerPool
-from tokenmesh.server import CHANNEL_OPTIONS, Service, ServiceHost, write_ready_file
+from tokenmesh.server import WORKER_CHANNEL_OPTIONS, Service, ServiceHost, write_ready_file
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class Router(Service):
         if address in self._watchers:
             return
         self.pool.add(address)
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
         self._channels[address] = channel
         self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         self._watchers[address] = asyncio.create_task(self._watch_worker(address, channel))
