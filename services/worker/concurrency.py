@@ -1,18 +1,20 @@
-"""The worker's adaptive concurrency limit: how many generations it should run at once.
+"""The worker's adaptive concurrency limit: how many generations it should be given at once.
 
-A gradient limiter after Netflix's *gradient2* (``concurrency-limits``), on
-time to first token instead of RTT:
+AIMD on time to first token against the worker's unloaded baseline:
 
 - The **unloaded baseline** is a slow moving average of the TTFT of
   generations that started while the engine had a free slot (so none of their
   TTFT was spent queued behind other generations).
-- Every ``window`` TTFT samples, the window's median is compared with it:
-  ``gradient = clamp(tolerance x baseline / median, 0.5, 1)``. Up to
-  ``tolerance`` times the baseline is not congestion (prompt lengths differ).
-- ``new = limit x gradient + sqrt(limit)``: without congestion the limit grows
-  by a queue allowance of sqrt(limit) per window; with it, it shrinks at most
-  by half per window. The limit moves a ``smoothing`` fraction toward ``new``
-  and stays within [``minimum``, ``maximum``].
+- Every ``window`` TTFT samples, the window's p90 (the tail is where queueing
+  shows) is compared with it: ``gradient = clamp(tolerance x baseline / p90,
+  0.5, 1)``. Up to ``tolerance`` times the baseline is not congestion
+  (prompt lengths differ).
+- Without congestion the limit grows by one per window (additive increase);
+  with it, it is multiplied by the gradient (multiplicative decrease, at most
+  halved). The limit moves a ``smoothing`` fraction toward that and stays
+  within [``minimum``, ``maximum``]; the maximum is the engine's slots, since
+  work beyond them would only wait in the engine's FIFO queue, where the
+  router's priority queue serves it better.
 - **GPU memory headroom caps it**: above ``memory_threshold`` of any device no
   generation is added to those running; below it, at most as many as the free
   memory up to the threshold holds at the memory per generation measured so
@@ -22,8 +24,6 @@ time to first token instead of RTT:
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,7 +40,7 @@ class AdaptiveLimit:
     initial: int
     """Starting limit (the model's slots)."""
     maximum: int
-    """Never above this (the worker's admission limit)."""
+    """Never above this (the engine's slots)."""
     minimum: int = 1
     tolerance: float = 2.0
     """TTFT up to this many times the baseline is not congestion."""
@@ -71,12 +71,13 @@ class AdaptiveLimit:
         self._samples.append(ttft_ms)
         if len(self._samples) < self.window:
             return
-        median = statistics.median(self._samples)
+        ordered = sorted(self._samples)
+        tail = ordered[int(0.9 * (len(ordered) - 1))]
         self._samples.clear()
-        if self.baseline_ms is None or median <= 0:
+        if self.baseline_ms is None or tail <= 0:
             return
-        gradient = max(MIN_GRADIENT, min(1.0, self.tolerance * self.baseline_ms / median))
-        new = self._estimate * gradient + math.sqrt(self._estimate)
+        gradient = max(MIN_GRADIENT, min(1.0, self.tolerance * self.baseline_ms / tail))
+        new = self._estimate + 1 if gradient >= 1.0 else self._estimate * gradient
         estimate = (1 - self.smoothing) * self._estimate + self.smoothing * new
         self._estimate = min(max(estimate, float(self.minimum)), float(self.maximum))
 

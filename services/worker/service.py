@@ -200,8 +200,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """The latency- and memory-driven limit (made once the models, hence the slots, are known)."""
         if self._adaptive is None:
             slots = self.slots()
-            self._adaptive = AdaptiveLimit(initial=slots, maximum=QUEUE_FACTOR * slots,
-                                           memory_threshold=self._memory_threshold)
+            self._adaptive = AdaptiveLimit(initial=slots, maximum=slots, memory_threshold=self._memory_threshold)
         return self._adaptive
 
     def concurrency_limit(self) -> int:

@@ -30,24 +30,36 @@ def feed(limit: AdaptiveLimit, ttft_ms: float, queued: bool, windows: int) -> li
     return values
 
 
-def test_limit_grows_while_ttft_stays_near_the_unloaded_baseline() -> None:
+def test_limit_grows_by_one_per_window_while_ttft_stays_near_the_unloaded_baseline() -> None:
     limit = AdaptiveLimit(initial=4, maximum=16)
-    values = feed(limit, 100.0, queued=False, windows=20)
-    assert values[:3] == [5, 6, 7]  # +0.5 sqrt(L) per window
-    assert values[-1] == 16  # up to the maximum, never past it
+    values = feed(limit, 100.0, queued=False, windows=30)
+    assert values[:4] == [4, 5, 5, 6]  # halfway to limit + 1 each window
+    assert values == sorted(values) and values[-1] == 16  # up to the maximum, never past it
     assert limit.baseline_ms == 100.0
 
 
-def test_limit_falls_when_queued_ttft_is_far_over_the_baseline_and_recovers() -> None:
+def test_limit_falls_when_ttft_tail_is_far_over_the_baseline_and_recovers() -> None:
     limit = AdaptiveLimit(initial=16, maximum=16)
     feed(limit, 100.0, queued=False, windows=1)
     assert limit.value == 16
-    falling = feed(limit, 900.0, queued=True, windows=20)  # 9x the baseline: congestion
-    assert falling == sorted(falling, reverse=True) and falling[0] < 16
-    assert falling[-1] == 4  # gradient 0.5 settles where L = L/2 + sqrt(L)
+    falling = feed(limit, 900.0, queued=True, windows=12)  # 9x the baseline: congestion
+    assert falling[:3] == [12, 9, 6]  # x0.75 a window: halfway to half
+    assert falling[-1] == 1  # down to the minimum
     assert limit.baseline_ms == 100.0  # queued samples never move the baseline
-    rising = feed(limit, 150.0, queued=True, windows=30)  # within 2x the baseline: fine
-    assert rising[-1] > 4 and rising == sorted(rising)
+    rising = feed(limit, 150.0, queued=True, windows=10)  # within 2x the baseline: fine
+    assert rising == sorted(rising) and rising[-1] == 6
+
+
+def test_one_slow_sample_in_a_window_is_not_congestion_two_are() -> None:
+    limit = AdaptiveLimit(initial=8, maximum=8)
+    limit.sample(100.0, queued=False)
+    for _ in range(6):
+        limit.sample(100.0, queued=False)
+    limit.sample(5000.0, queued=True)  # the p90 of 8 samples is the 7th smallest
+    assert limit.value == 8
+    for ttft in (100.0,) * 6 + (5000.0, 5000.0):
+        limit.sample(ttft, queued=ttft > 100)
+    assert limit.value < 8
 
 
 def test_limit_does_not_move_before_an_unloaded_sample() -> None:
@@ -91,27 +103,29 @@ async def test_worker_limit_follows_engine_queueing_and_reports_tritons_queue_fi
         servicer = worker.servicer
         async with grpc.aio.insecure_channel(worker.host.address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
-            # Waves of 4 fit the engine's slots: TTFT stays at its baseline, the limit grows.
-            for wave in range(12):
+            # Waves of 4 fit the engine's slots: the baseline, and the limit stays at the slots.
+            for wave in range(4):
                 counts = await asyncio.gather(*(generate_direct(stub, f"a{wave}-{i}", 4) for i in range(4)))
                 assert counts == [4] * 4
-            grown = servicer.concurrency_limit()
-            assert grown > 4
-            # 16 at once: 12 wait in the engine's queue for a whole generation (0.8 s: the
-            # worker reads the engine's figures every 0.5 s).
+            assert servicer.concurrency_limit() == 4 and servicer.adaptive().baseline_ms is not None
+            # 16 at once (past the router): 12 wait in the engine's queue for a whole generation
+            # (0.8 s: the worker reads the engine's figures every 0.5 s).
             floods = [asyncio.create_task(generate_direct(stub, f"b{i}", 160)) for i in range(16)]
             await wait_until(lambda: backend.waiting == 12)
             await wait_until(lambda: servicer.engine_pending == 12, timeout=2)
             seen = await stats(mesh, 0)
             assert seen.triton_pending == 12
             assert await asyncio.gather(*floods) == [160] * 16
-            for repeat in range(3):
-                await asyncio.gather(*(generate_direct(stub, f"c{repeat}-{i}", 30) for i in range(16)))
-            assert servicer.concurrency_limit() < grown
+            lowered = servicer.concurrency_limit()
+            assert lowered < 4
             await wait_until(lambda: servicer.engine_queue_ms is not None and servicer.engine_pending == 0, timeout=2)
             seen = await stats(mesh, 0)
             assert seen.triton_queue_ms > 0 and seen.HasField("ttft_baseline_ms")
-            assert seen.concurrency_limit == servicer.concurrency_limit()
+            assert seen.concurrency_limit == lowered
+            # Unqueued again: the limit climbs back to the slots.
+            for wave in range(32):  # 8 windows of 8: +0.5 each
+                await asyncio.gather(*(generate_direct(stub, f"c{wave}-{i}", 4) for i in range(2)))
+            assert servicer.concurrency_limit() == 4
         # The other worker's engine keeps no queue figures: unset, not zero.
         other = await stats(mesh, 1)
         assert not other.HasField("triton_pending") and not other.HasField("triton_queue_ms")
