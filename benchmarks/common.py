@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
+import os
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from tokenmesh.mesh import Mesh
+from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 
 
@@ -48,6 +53,25 @@ def tree_rss_mb(pid: int) -> float:
             continue
         todo.extend(children.get(current, []))
     return total
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def running_mesh(config: MeshConfig, routable: int | None = None) -> Iterator[Mesh]:
+    """The embedded mesh, logging to a temporary folder, until every worker is routable; stopped after."""
+    with tempfile.TemporaryDirectory() as logs:
+        mesh = Mesh(dataclasses.replace(config, log_dir=config.log_dir or logs))
+        mesh.start()
+        try:
+            wait_routable(mesh, routable if routable is not None else config.workers)
+            yield mesh
+        finally:
+            mesh.stop()
 
 
 def wait_routable(mesh: Mesh, count: int, timeout: float = 60) -> None:
