@@ -106,8 +106,15 @@ class ServiceHost:
     once it can take work, and back while draining.
     """
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str]) -> None:
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    def __init__(self, host: str, port: int, service_names: Iterable[str], *, shared_port: bool = False) -> None:
+        # shared_port: other processes may listen on the same port (SO_REUSEPORT; the kernel
+        # spreads connections over them), and this server also listens on a private loopback port.
+        options = SERVER_OPTIONS
+        if shared_port:
+            options = (*(o for o in SERVER_OPTIONS if o[0] != "grpc.so_reuseport"), ("grpc.so_reuseport", 1))
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+        self._shared_port = shared_port
+        self.private_address = ""
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
@@ -128,6 +135,8 @@ class ServiceHost:
         self.port = self.server.add_insecure_port(f"{self._host}:{self._requested_port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {self._host}:{self._requested_port} (in use or not permitted)")
+        if self._shared_port:
+            self.private_address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         await self.server.start()
         await self.set_serving(False)
         return self.port

@@ -12,25 +12,22 @@ from tokenmesh.bench.metrics import RequestResult
 LATENCIES = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E latency", "e2e_s"))
 
 
-def _ms(dist: Mapping[str, float] | None, key: str) -> str:
-    return f"{dist[key] * 1000:10.2f}" if dist else f"{'-':>10}"
+STATS = ("mean", "p50", "p90", "p99")
+
+
+def _row(label: str, dist: Mapping[str, float] | None, scale: float = 1.0) -> str:
+    return f"{label:24}" + "".join(f"{dist[k] * scale:10.2f}" if dist else f"{'-':>10}" for k in STATS)
 
 
 def table(name: str, summary: Mapping[str, Any]) -> str:
     """The summary of one target as a text table."""
     lines = [
         f"== {name}: {summary['successful']}/{summary['requests']} requests in {summary['duration_s']:.2f} s ==",
-        f"{'':24}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+        f"{'':24}" + "".join(f"{k:>10}" for k in STATS),
     ]
-    for label, key in LATENCIES:
-        dist = summary[key]
-        lines.append(f"{label + ' (ms)':24}" + "".join(_ms(dist, k) for k in ("mean", "p50", "p90", "p99")))
-    rates = summary["stream_tokens_per_s"]
-    if rates:
-        lines.append(f"{'stream tokens/s':24}" + "".join(f"{rates[k]:10.2f}" for k in ("mean", "p50", "p90", "p99")))
-    per_chunk = summary["tokens_per_chunk"]
-    if per_chunk:
-        lines.append(f"{'tokens per chunk':24}" + "".join(f"{per_chunk[k]:10.2f}" for k in ("mean", "p50", "p90", "p99")))
+    lines += [_row(f"{label} (ms)", summary[key], 1000) for label, key in LATENCIES]
+    lines.append(_row("stream tokens/s", summary["stream_tokens_per_s"]))
+    lines.append(_row("tokens per chunk", summary["tokens_per_chunk"]))
     variance = summary["stream_tokens_per_s_variance"]
     lines += [
         f"{'output tokens/s':24}{summary['output_tokens_per_s']:10.1f}",

@@ -27,6 +27,10 @@ class RouterConfig:
     aging_s: float = setting(5.0, "a waiting generation rises one priority level per this many seconds")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
     ready_file: str = setting("", "write {address, pid} as JSON here once SERVING")
+    processes: int = setting(1, "router processes sharing the port (SO_REUSEPORT); each worker's limit is "
+                                "split among them and weight tables are passed on to all")
+    process_index: int = setting(0, "internal: which of the --processes this one is (the first starts the others)")
+    peers_dir: str = setting("", "internal: folder where the processes of one router list their private addresses")
 
     def __post_init__(self) -> None:
         """Validate ranges."""
@@ -41,5 +45,8 @@ class RouterConfig:
         check(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}")
         check(self.default_max_tokens > 0, f"default_max_tokens must be > 0, got {self.default_max_tokens}")
         check(self.max_prompt_bytes > 0, f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
+        check(1 <= self.processes <= 64, f"processes must be 1..64, got {self.processes}")
+        check(0 <= self.process_index < self.processes,
+              f"process_index must be 0..{self.processes - 1}, got {self.process_index}")
         for address in self.workers:
             check(":" in address, f"worker address {address!r} must be host:port")

@@ -72,9 +72,13 @@ def prefix_key(request: inference_pb2.GenerateRequest, min_chars: int = 256, pro
 class WorkerPool:
     """Workers by address, the weight table in force, and the pick."""
 
-    def __init__(self, rng: random.Random | None = None, policy: str = "prefix") -> None:
+    def __init__(
+        self, rng: random.Random | None = None, policy: str = "prefix", share: tuple[int, int] = (0, 1)
+    ) -> None:
         self.entries: dict[str, WorkerEntry] = {}
         self.policy = policy
+        self.share = share
+        """(this process, processes): a router run as N processes splits each worker's limit N ways."""
         self._turn = 0
         self.version = 0
         self.received_at = 0.0
@@ -152,13 +156,24 @@ class WorkerPool:
         if not any(model in e.models and self.effective_weight(e) > 0 for e in self.entries.values()):
             raise Unavailable(f"no live worker serves model {model!r} now; retry shortly")
 
+    def allowance(self, entry: WorkerEntry) -> int:
+        """Generations this router process may have open on the worker: its share of the limit.
+
+        The shares of N processes add up to the limit exactly (1 while the
+        limit is unknown); a process whose share is 0 leaves the worker to the others.
+        """
+        if not entry.limit:
+            return 1
+        index, count = self.share
+        return (entry.limit + count - 1 - index) // count
+
     def pick(self, model: str, free_only: bool = True, key: str = "") -> WorkerEntry | None:
         """A live worker serving model with a free slot, by the policy; None if none is free.
 
         ``key`` identifies the request's prompt prefix (for the prefix policy).
         """
         live = [e for e in self.entries.values() if model in e.models and self.effective_weight(e) > 0]
-        candidates = [e for e in live if not free_only or e.in_flight < max(e.limit, 1)]
+        candidates = [e for e in live if not free_only or e.in_flight < self.allowance(e)]
         if not candidates:
             return None
         if self.policy == "round-robin":
@@ -166,7 +181,7 @@ class WorkerPool:
             self._turn += 1
             return ordered[self._turn % len(ordered)]
         if self.policy == "least-loaded":
-            return min(candidates, key=lambda e: (e.in_flight / max(e.limit, 1), -self.effective_weight(e)))
+            return min(candidates, key=lambda e: (e.in_flight / max(self.allowance(e), 1), -self.effective_weight(e)))
         if self.policy == "prefix" and key:
             # Consistent hashing with bounded loads: the prefix's own order of
             # workers (rendezvous hashing), skipping any already carrying more
@@ -213,7 +228,7 @@ class WorkerPool:
                     weight=entry.weight if self.version else self.effective_weight(entry),
                     state=state,
                     in_flight=entry.in_flight,
-                    concurrency_limit=entry.limit,
+                    concurrency_limit=self.allowance(entry),
                     served_total=entry.served_total,
                     reason=self._reason(entry),
                     triton_url=entry.triton_url,

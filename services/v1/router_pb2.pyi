@@ -46,18 +46,22 @@ class RoutingEntry(_message.Message):
     def __init__(self, address: _Optional[str] = ..., weight: _Optional[float] = ..., state: _Optional[_Union[WorkerState, str]] = ..., in_flight: _Optional[int] = ..., served_total: _Optional[int] = ..., reason: _Optional[str] = ..., triton_url: _Optional[str] = ..., concurrency_limit: _Optional[int] = ...) -> None: ...
 
 class RoutingTable(_message.Message):
-    __slots__ = ("workers", "version", "received_at", "propagation_ms", "queued")
+    __slots__ = ("workers", "version", "received_at", "propagation_ms", "queued", "process_index", "processes")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_AT_FIELD_NUMBER: _ClassVar[int]
     PROPAGATION_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[RoutingEntry]
     version: int
     received_at: _timestamp_pb2.Timestamp
     propagation_ms: float
     queued: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[RoutingEntry, _Mapping]]] = ..., version: _Optional[int] = ..., received_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., propagation_ms: _Optional[float] = ..., queued: _Optional[int] = ...) -> None: ...
+    process_index: int
+    processes: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[RoutingEntry, _Mapping]]] = ..., version: _Optional[int] = ..., received_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., propagation_ms: _Optional[float] = ..., queued: _Optional[int] = ..., process_index: _Optional[int] = ..., processes: _Optional[int] = ...) -> None: ...
 
 class WorkerWeight(_message.Message):
     __slots__ = ("address", "weight", "state", "reason", "triton_url", "concurrency_limit")
