@@ -51,15 +51,16 @@ async def test_two_router_processes_share_the_port_the_weights_and_the_limits() 
         # The prober's one stream lands on one process; the table reaches both, each using half of every limit.
         seen: dict[int, router_pb2.RoutingTable] = {}
 
-        async def both_weighted() -> bool:
+        async def both_current() -> bool:
             seen.update(await tables_by_process(router.host.address))
-            return set(seen) == {0, 1} and all(t.version and t.processes == 2 for t in seen.values())
+            current = prober.table.version
+            return set(seen) == {0, 1} and all(t.version == current and t.processes == 2 for t in seen.values())
 
-        for _ in range(100):
-            if await both_weighted():
+        for _ in range(30):  # 3 s: a table passed on, not one the prober sent after reconnecting
+            if await both_current():
                 break
             await asyncio.sleep(0.1)
-        assert set(seen) == {0, 1}, seen
+        assert set(seen) == {0, 1} and all(t.version == prober.table.version for t in seen.values()), seen
         for table in seen.values():
             assert [w.concurrency_limit for w in table.workers] == [2, 2]  # 4 slots each, split two ways
             assert all(w.weight > 0 for w in table.workers)
