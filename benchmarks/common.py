@@ -34,8 +34,8 @@ def rss_mb(pid: int) -> float:
     return math.nan
 
 
-def tree_rss_mb(pid: int) -> float:
-    """RSS of a process and all its descendants (Triton and its Python backend stubs), MiB."""
+def process_tree(pid: int) -> list[int]:
+    """The process and all its descendants (e.g. Triton and its Python backend stubs)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -44,21 +44,31 @@ def tree_rss_mb(pid: int) -> float:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
-    total, todo = 0.0, [pid]
+    tree, todo = [], [pid]
     while todo:
         current = todo.pop()
-        try:
-            total += rss_mb(current)
-        except OSError:
-            continue
+        tree.append(current)
         todo.extend(children.get(current, []))
+    return tree
+
+
+def tree_rss_mb(pid: int) -> float:
+    """RSS of a process and all its descendants, MiB."""
+    total = 0.0
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):
+            total += rss_mb(member)
     return total
 
 
 def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time a process has used."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User plus system CPU time a process and its descendants have used (those alive now)."""
+    total = 0
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError, IndexError):
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

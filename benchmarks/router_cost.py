@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1000, help="tokens per stream")
     parser.add_argument("--requests", type=int, default=72, help="streams per run")
     parser.add_argument("--rounds", type=int, default=2, help="runs per target, interleaved")
+    parser.add_argument("--router-processes", type=int, default=1,
+                        help="router processes (their CPU is summed)")
     args = parser.parse_args()
 
     source_port, relay_port = free_port(), free_port()
@@ -73,7 +75,8 @@ def main() -> None:
     relay = start("relay", "--port", str(relay_port), "--upstream", f"127.0.0.1:{source_port}")
     runs: dict[str, list[tuple[list[RequestResult], float]]] = {"relay": [], "mesh": []}
     try:
-        config = MeshConfig(port=0, model_repository=str(SHIPPED_REPOSITORIES["synthetic"]))
+        config = MeshConfig(port=0, model_repository=str(SHIPPED_REPOSITORIES["synthetic"]),
+                            router_processes=args.router_processes)
         with running_mesh(config) as mesh:
             assert mesh.router is not None
             hops = {"relay": (f"127.0.0.1:{relay_port}", relay.pid),

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", choices=("smollm2", "synthetic"), default="smollm2",
                     help="smollm2: SmolLM2 on llama.cpp (default); synthetic: placeholder tokens at 1,000 tokens/s "
                          "per stream, for measuring the mesh itself")
+    up.add_argument("--router-processes", type=int, default=1,
+                    help="router processes sharing its port with SO_REUSEPORT (default 1)")
     up.add_argument("--log-dir", default="", help="write each service's log to LOG_DIR/<name>.log (default: stderr)")
 
     gen = sub.add_parser("generate", help="stream a generation to stdout")
@@ -129,7 +131,8 @@ def _up(args: argparse.Namespace) -> int:
 
     repository = "" if args.model == "smollm2" else str(SHIPPED_REPOSITORIES[args.model])
     mesh = Mesh(MeshConfig(workers=args.workers, host=args.host, port=args.port, threads=args.threads,
-                           slots=args.slots, log_dir=args.log_dir, model_repository=repository))
+                           slots=args.slots, log_dir=args.log_dir, model_repository=repository,
+                           router_processes=args.router_processes))
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     engine = "SmolLM2" if args.model == "smollm2" else "the synthetic model"

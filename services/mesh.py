@@ -39,6 +39,8 @@ class MeshConfig:
     """Concurrent generations per worker; 0 keeps the model's value."""
     model_repository: str = ""
     """Triton model repository for every worker; empty = the shipped SmolLM2 model."""
+    router_processes: int = 1
+    """Router processes sharing its port (``tokenmesh router --processes``)."""
     log_dir: str = ""
     """Write each service's log to <log_dir>/<name>.log; empty = our stderr."""
     start_timeout_s: float = 240.0
@@ -161,7 +163,7 @@ class Mesh:
             self.wait_ready(self.workers)
             addresses = ",".join(w.address for w in self.workers)
             self.router = self.spawn("router", "router", "--host", cfg.host, "--port", str(cfg.port),
-                                     "--workers", addresses)
+                                     "--workers", addresses, "--processes", str(cfg.router_processes))
             self.wait_ready([self.router])
             self.prober = self.spawn("prober", "prober", "--host", cfg.host, "--port", "0",
                                      "--workers", addresses, "--routers", self.router.address)
