@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker.backend import BackendError
 
 from .conftest import InProcessMesh, in_process_mesh, wait_until
@@ -92,13 +92,17 @@ async def test_slow_reader_gets_resource_exhausted() -> None:
                                backend_settings={"max_context": 32768}) as mesh:
         for b in mesh.backends:
             b.delay = 0
-        # ~170 KB of text, more than the HTTP/2 windows on the way hold; unread chunks merge,
-        # but a merged chunk stays under 1/8 of the buffer, so the buffer still overflows.
-        call = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="p" * 10, max_tokens=20000))
-        await call.read()
-        await asyncio.sleep(1.0)  # the caller stops reading while the worker generates
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            while await call.read() is not grpc.aio.EOF:
-                pass
+        # ~170 KB of text, far more than the HTTP/2 windows on the way hold (the caller's is
+        # kept small, as on a slow link); unread chunks merge, but a merged chunk stays under
+        # 1/8 of the replay buffer, so the buffer still overflows for a reader that stops.
+        options = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 4096))
+        async with grpc.aio.insecure_channel(mesh.router.host.address, options=options) as channel:
+            call = inference_pb2_grpc.InferenceStub(channel).Generate(
+                inference_pb2.GenerateRequest(prompt="p" * 10, max_tokens=20000))
+            await call.read()
+            await asyncio.sleep(1.0)  # the caller stops reading while the worker generates
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "too slow" in info.value.details()
