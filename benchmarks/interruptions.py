@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from common import StreamResult, percentile, run_stream, wait_routable
+from common import StreamResult, percentile, run_stream, running_mesh
 
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
@@ -54,33 +53,27 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, default=6.0, help="seconds between worker kills")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as logs:
-        mesh = Mesh(MeshConfig(workers=args.workers, port=0, log_dir=logs,
-                               extra_env={"TOKENMESH_ROUTER_TTFT_TIMEOUT_S": "120"}))
-        mesh.start()
-        try:
-            wait_routable(mesh, args.workers)
-            assert mesh.router is not None
-            channel = grpc.insecure_channel(mesh.router.address)
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            stop, kills = threading.Event(), []
-            killer = threading.Thread(target=chaos, args=(mesh, args.kill_every, stop, kills))
-            started = time.monotonic()
-            killer.start()
+    env = {"TOKENMESH_ROUTER_TTFT_TIMEOUT_S": "120"}
+    with running_mesh(MeshConfig(workers=args.workers, port=0, extra_env=env)) as mesh:
+        assert mesh.router is not None
+        channel = grpc.insecure_channel(mesh.router.address)
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        stop, kills = threading.Event(), []
+        killer = threading.Thread(target=chaos, args=(mesh, args.kill_every, stop, kills))
+        started = time.monotonic()
+        killer.start()
 
-            def one(i: int) -> StreamResult:
-                request = inference_pb2.GenerateRequest(prompt=f"Story {i}: Once upon a time", seed=i,
-                                                        max_tokens=args.tokens, ignore_eos=True)
-                return run_stream(stub, request, timeout=600)
+        def one(i: int) -> StreamResult:
+            request = inference_pb2.GenerateRequest(prompt=f"Story {i}: Once upon a time", seed=i,
+                                                    max_tokens=args.tokens, ignore_eos=True)
+            return run_stream(stub, request, timeout=600)
 
-            with ThreadPoolExecutor(args.concurrency) as pool:
-                results = list(pool.map(one, range(args.streams)))
-            stop.set()
-            killer.join()
-            elapsed = time.monotonic() - started
-            channel.close()
-        finally:
-            mesh.stop()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            results = list(pool.map(one, range(args.streams)))
+        stop.set()
+        killer.join()
+        elapsed = time.monotonic() - started
+        channel.close()
 
     interrupted = [r for r in results if r.interrupted]
     moved = [r for r in results if r.migrations]

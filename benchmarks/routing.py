@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from common import percentile, wait_routable
+from common import percentile, running_mesh
 
-from tokenmesh.mesh import Mesh, MeshConfig
+from tokenmesh.mesh import MeshConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 
 WORDS = ("river mountain lantern orchard harbor meadow compass glacier violet ember canyon willow "
@@ -41,53 +40,46 @@ def system_prompt(k: int, tokens: int) -> str:
 
 
 def run_policy(policy: str, args: argparse.Namespace, prompts: list[str], order: list[tuple[int, int]]) -> dict:
-    with tempfile.TemporaryDirectory() as logs:
-        mesh = Mesh(MeshConfig(workers=args.workers, port=0, log_dir=logs,
-                               extra_env={"TOKENMESH_ROUTER_POLICY": policy,
-                                          "TOKENMESH_ROUTER_QUEUE_TIMEOUT_S": "600"}))
-        mesh.start()
-        try:
-            wait_routable(mesh, args.workers)
-            assert mesh.router is not None
-            channel = grpc.insecure_channel(mesh.router.address)
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            operator = router_pb2_grpc.RouterStub(channel)
-            propagation: list[float] = []
-            stop = threading.Event()
+    env = {"TOKENMESH_ROUTER_POLICY": policy, "TOKENMESH_ROUTER_QUEUE_TIMEOUT_S": "600"}
+    with running_mesh(MeshConfig(workers=args.workers, port=0, extra_env=env)) as mesh:
+        assert mesh.router is not None
+        channel = grpc.insecure_channel(mesh.router.address)
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        operator = router_pb2_grpc.RouterStub(channel)
+        propagation: list[float] = []
+        stop = threading.Event()
 
-            def watch_tables() -> None:
-                seen = 0
-                while not stop.wait(0.02):
-                    table = operator.GetRoutingTable(router_pb2.GetRoutingTableRequest())
-                    if table.version != seen:
-                        seen = table.version
-                        propagation.append(table.propagation_ms)
+        def watch_tables() -> None:
+            seen = 0
+            while not stop.wait(0.02):
+                table = operator.GetRoutingTable(router_pb2.GetRoutingTableRequest())
+                if table.version != seen:
+                    seen = table.version
+                    propagation.append(table.propagation_ms)
 
-            watcher = threading.Thread(target=watch_tables)
-            watcher.start()
+        watcher = threading.Thread(target=watch_tables)
+        watcher.start()
 
-            def one(item: tuple[int, int]) -> tuple[float, int]:
-                k, j = item
-                request = inference_pb2.GenerateRequest(
-                    messages=[inference_pb2.ChatMessage(role="system", content=prompts[k]),
-                              inference_pb2.ChatMessage(role="user", content=f"Which rule mentions number {j}?")],
-                    max_tokens=args.max_tokens, ignore_eos=True, temperature=0)
-                sent, ttft, tokens = time.monotonic(), float("nan"), 0
-                for chunk in stub.Generate(request, timeout=900):
-                    if chunk.text and ttft != ttft:
-                        ttft = time.monotonic() - sent
-                    tokens += chunk.token_count
-                return ttft, tokens
+        def one(item: tuple[int, int]) -> tuple[float, int]:
+            k, j = item
+            request = inference_pb2.GenerateRequest(
+                messages=[inference_pb2.ChatMessage(role="system", content=prompts[k]),
+                          inference_pb2.ChatMessage(role="user", content=f"Which rule mentions number {j}?")],
+                max_tokens=args.max_tokens, ignore_eos=True, temperature=0)
+            sent, ttft, tokens = time.monotonic(), float("nan"), 0
+            for chunk in stub.Generate(request, timeout=900):
+                if chunk.text and ttft != ttft:
+                    ttft = time.monotonic() - sent
+                tokens += chunk.token_count
+            return ttft, tokens
 
-            started = time.monotonic()
-            with ThreadPoolExecutor(args.concurrency) as pool:
-                results = list(pool.map(one, order))
-            elapsed = time.monotonic() - started
-            stop.set()
-            watcher.join()
-            channel.close()
-        finally:
-            mesh.stop()
+        started = time.monotonic()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            results = list(pool.map(one, order))
+        elapsed = time.monotonic() - started
+        stop.set()
+        watcher.join()
+        channel.close()
     ttfts = [r[0] for r in results]
     return {"ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
             "tok_s": sum(r[1] for r in results) / elapsed, "elapsed": elapsed, "propagation": propagation}

@@ -12,12 +12,11 @@ worker growth < 20 MB.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from common import rss_mb, run_stream, tree_rss_mb, wait_routable
+from common import rss_mb, run_stream, running_mesh, tree_rss_mb
 
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
@@ -41,33 +40,27 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=300)
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as logs:
-        mesh = Mesh(MeshConfig(workers=args.workers, port=0, log_dir=logs))
-        mesh.start()
-        try:
-            wait_routable(mesh, args.workers)
-            assert mesh.router is not None
-            channel = grpc.insecure_channel(mesh.router.address)
-            stub = inference_pb2_grpc.InferenceStub(channel)
+    with running_mesh(MeshConfig(workers=args.workers, port=0)) as mesh:
+        assert mesh.router is not None
+        channel = grpc.insecure_channel(mesh.router.address)
+        stub = inference_pb2_grpc.InferenceStub(channel)
 
-            def one(i: int) -> bool:
-                request = inference_pb2.GenerateRequest(prompt=f"Item {i}:", max_tokens=args.tokens, seed=i)
-                return not run_stream(stub, request, timeout=120).interrupted
+        def one(i: int) -> bool:
+            request = inference_pb2.GenerateRequest(prompt=f"Item {i}:", max_tokens=args.tokens, seed=i)
+            return not run_stream(stub, request, timeout=120).interrupted
 
-            with ThreadPoolExecutor(args.concurrency) as pool:
-                assert all(pool.map(one, range(args.warmup))), "warm-up streams failed"
-                time.sleep(2)
-                before = snapshot(mesh)
-                started = time.monotonic()
-                ok = sum(pool.map(one, range(args.streams)))
-                elapsed = time.monotonic() - started
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            assert all(pool.map(one, range(args.warmup))), "warm-up streams failed"
             time.sleep(2)
-            after = snapshot(mesh)
-            time.sleep(35)  # past the resume grace period: every record is gone
-            settled = snapshot(mesh)
-            channel.close()
-        finally:
-            mesh.stop()
+            before = snapshot(mesh)
+            started = time.monotonic()
+            ok = sum(pool.map(one, range(args.streams)))
+            elapsed = time.monotonic() - started
+        time.sleep(2)
+        after = snapshot(mesh)
+        time.sleep(35)  # past the resume grace period: every record is gone
+        settled = snapshot(mesh)
+        channel.close()
 
     print(f"{args.streams} streams ({ok} ok) x {args.tokens} tokens at concurrency {args.concurrency} "
           f"in {elapsed:.1f} s ({args.streams / elapsed:.0f} streams/s), after {args.warmup} warm-up streams")
