@@ -273,17 +273,37 @@ def build_inputs(params: GenerationParams) -> list[InferInput]:
     return inputs
 
 
-def _first_str(result: Any, name: str) -> str:
-    array = result.as_numpy(name)
-    if array is None or array.size == 0:
-        return ""
-    value = array.reshape(-1)[0]
-    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+class _Outputs:
+    """The first element of each output of one Triton response, read from its raw bytes.
 
+    Per token this is the worker's hot path: reading ``raw_output_contents``
+    directly (BYTES: 4-byte little-endian length, then the bytes; UINT32: 4
+    bytes) skips tritonclient's numpy deserialization of every tensor.
+    """
 
-def _first_int(result: Any, name: str) -> int:
-    array = result.as_numpy(name)
-    return int(array.reshape(-1)[0]) if array is not None and array.size else 0
+    def __init__(self, result: Any) -> None:
+        self.response = result.get_response()
+        self._index = {output.name: i for i, output in enumerate(self.response.outputs)}
+
+    def _raw(self, name: str) -> bytes:
+        i = self._index.get(name)
+        raw = self.response.raw_output_contents
+        return raw[i] if i is not None and i < len(raw) else b""
+
+    def text(self, name: str) -> str:
+        raw = self._raw(name)
+        if len(raw) < 4:
+            return ""
+        size = int.from_bytes(raw[:4], "little")
+        return raw[4:4 + size].decode("utf-8", errors="replace")
+
+    def uint(self, name: str) -> int:
+        raw = self._raw(name)
+        return int.from_bytes(raw[:4], "little") if len(raw) >= 4 else 0
+
+    @property
+    def final(self) -> bool:
+        return bool(self.response.parameters["triton_final_response"].bool_param)
 
 
 class TritonGeneration(Generation):
@@ -317,18 +337,19 @@ class TritonGeneration(Generation):
             async for result, error in self._call:
                 if error is not None:
                     raise error
-                text = _first_str(result, "text_output")
-                tokens = _first_int(result, "num_output_tokens")
-                final = result.get_response().parameters["triton_final_response"].bool_param
+                outputs = _Outputs(result)
+                text = outputs.text("text_output")
+                tokens = outputs.uint("num_output_tokens")
+                final = outputs.final
                 if not final:
                     completion_tokens += tokens
                     if text:
                         yield Delta(text, tokens)
                     continue
-                finish = _first_str(result, "finish_reason") or "stop"
+                finish = outputs.text("finish_reason") or "stop"
                 if text:  # non-streaming backends put everything in the final response
                     yield Delta(text, tokens - completion_tokens if tokens > completion_tokens else 0)
-                yield Finished(finish, _first_int(result, "num_input_tokens"), max(tokens, completion_tokens))
+                yield Finished(finish, outputs.uint("num_input_tokens"), max(tokens, completion_tokens))
                 return
         except InferenceServerException as exc:
             if self._cancelled:
