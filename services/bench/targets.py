@@ -66,11 +66,13 @@ class MeshTarget(Target):
         except grpc.aio.AioRpcError as exc:
             raise TargetError(f"cannot reach the mesh at {self.addr}: {exc.code().name}: {exc.details()}") from None
         names = [m.name for m in listed.models]
+        if not names:
+            raise TargetError(f"the mesh at {self.addr} serves no model now (no live worker); try again shortly")
         if not self.model:
-            self.model = next((m.name for m in listed.models if m.is_default), names[0] if names else "")
+            self.model = next((m.name for m in listed.models if m.is_default), names[0])
         if self.model not in names:
-            raise TargetError(f"model {self.model!r} is not served by the mesh at {self.addr} "
-                              f"(served: {', '.join(names) or 'none'})")
+            served = ", ".join(names)
+            raise TargetError(f"model {self.model!r} is not served by the mesh at {self.addr} (served: {served})")
 
     async def triton_endpoints(self) -> list[str]:
         """Every worker's Triton gRPC URL, from the router's routing table."""
