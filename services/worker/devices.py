@@ -37,10 +37,10 @@ def _visible_indices(spec: str | None, count: int) -> list[int]:
     return indices
 
 
-def nvml_reader(cuda_visible_devices: str | None) -> DeviceReader:
+def nvml_reader(cuda_visible_devices: str | None) -> DeviceReader | None:
     """A reader for the devices named by CUDA_VISIBLE_DEVICES (all when None).
 
-    Returns a reader that yields [] when NVML cannot start (no GPU here).
+    None when NVML cannot start (no GPU here): there is nothing to read.
     """
     try:
         import pynvml
@@ -49,7 +49,7 @@ def nvml_reader(cuda_visible_devices: str | None) -> DeviceReader:
         count = pynvml.nvmlDeviceGetCount()
     except Exception as exc:  # noqa: BLE001 - any NVML failure means "no readings"
         log.info("NVML unavailable (%s); device readings disabled", exc)
-        return list
+        return None
 
     indices = _visible_indices(cuda_visible_devices, count)
 

@@ -103,7 +103,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(
         self,
         backend: Backend,
-        devices: DeviceReader,
+        devices: DeviceReader | None,
         cuda_visible_devices: str = "",
         *,
         resume_grace_s: float = 30.0,
@@ -311,7 +311,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             now, tokens = time.monotonic(), self._tokens_now()
             rate = max(0.0, (tokens - last_tokens) / (now - last_time)) if now > last_time else 0.0
             last_time, last_tokens = now, tokens
-            self.device_readings = await asyncio.to_thread(self._devices)
+            if self._devices is not None:  # NVML calls block: off the event loop
+                self.device_readings = await asyncio.to_thread(self._devices)
             devices = [
                 worker_pb2.DeviceStats(
                     index=d.index,
