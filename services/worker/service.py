@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 QUEUE_FACTOR = 4
 """Generations admitted per model slot (the rest wait in the engine's queue)."""
+ENGINE_POLL_S = 1.0
+"""Seconds between reads of the engine's queue figures (each is a statistics call and a metrics scrape)."""
 OOM_RECOVERY_S = 10.0
 """After a device OOM the admission limit grows back by one per this many seconds."""
 
@@ -131,6 +133,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._adaptive: AdaptiveLimit | None = None
         self.device_readings: list[DeviceReading] = []
         """The latest NVML readings (taken on each stats ping)."""
+        self.engine_poll_s = ENGINE_POLL_S
         self.engine_pending: int | None = None
         self.engine_queue_ms: float | None = None
         self.device_lost = asyncio.Event()
@@ -207,7 +210,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Generations the worker should run at once: adaptive, never above the admission limit."""
         return min(self.adaptive().limit(self.in_flight, self.device_readings), self.admission_limit())
 
-    async def poll_engine(self, interval_s: float = 0.5) -> None:
+    async def poll_engine(self) -> None:
         """Follow the engine's own queue figures (Triton's pending count and queue time)."""
         previous: EngineStats | None = None
         while True:
@@ -225,7 +228,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         stats.queued_total - previous.queued_total)
                     self.engine_queue_ms = _ewma(self.engine_queue_ms, mean_ns / 1e6)
             previous = stats
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(self.engine_poll_s)
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[worker_pb2.WorkerCommand], context: grpc.aio.ServicerContext[Any, Any]

@@ -101,6 +101,7 @@ async def test_worker_limit_follows_engine_queueing_and_reports_tritons_queue_fi
         backend.engine_slots = asyncio.Semaphore(4)
         backend.delay = 0.005
         servicer = worker.servicer
+        servicer.engine_poll_s = 0.2  # from the next read on
         async with grpc.aio.insecure_channel(worker.host.address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             # Waves of 4 fit the engine's slots: the baseline, and the limit stays at the slots.
@@ -109,7 +110,7 @@ async def test_worker_limit_follows_engine_queueing_and_reports_tritons_queue_fi
                 assert counts == [4] * 4
             assert servicer.concurrency_limit() == 4 and servicer.adaptive().baseline_ms is not None
             # 16 at once (past the router): 12 wait in the engine's queue for a whole generation
-            # (0.8 s: the worker reads the engine's figures every 0.5 s).
+            # (0.8 s: the worker reads the engine's figures every 0.2 s here).
             floods = [asyncio.create_task(generate_direct(stub, f"b{i}", 160)) for i in range(16)]
             await wait_until(lambda: backend.waiting == 12)
             await wait_until(lambda: servicer.engine_pending == 12, timeout=2)
