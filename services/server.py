@@ -66,16 +66,22 @@ class HealthServicer(_AsyncHealthServicer):  # type: ignore[misc]
     """
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:  # noqa: N802
-        """Stream the status now and after every change."""
+        """Stream the status now and after every change.
+
+        The write happens outside the condition's lock: a watcher whose write
+        waits (a slow or stuck client) must not hold up the other watchers or
+        ``set`` (upstream writes while holding it).
+        """
         condition = self._server_watchers[request.service]
         last = None
-        async with condition:
-            while True:
+        while True:
+            async with condition:
                 status = self._server_status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-                if status != last:
-                    await context.write(health_pb2.HealthCheckResponse(status=status))
-                last = status
-                await condition.wait()
+                while status == last:
+                    await condition.wait()
+                    status = self._server_status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            last = status
+            await context.write(health_pb2.HealthCheckResponse(status=status))
 
 
 class ReflectionServicer(_AsyncReflectionServicer):  # type: ignore[misc]

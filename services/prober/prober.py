@@ -294,10 +294,12 @@ class Prober(Service):
             try:
                 sent = 0
                 while True:
+                    # Cleared before the table is read: a table decided while the write
+                    # below is in flight sets it again, and the wait returns at once.
+                    link.wake.clear()
                     if self.table.version and self.table.version != sent:
                         sent = self.table.version
                         await call.write(self.table)
-                    link.wake.clear()
                     waiter = asyncio.create_task(link.wake.wait())
                     done, _ = await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
                     if reader in done:
