@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -55,9 +56,23 @@ def alive(pid: int | None) -> bool:
     return state != "Z"
 
 
+def left_behind(pids: list[int], grace_s: float = 3.0) -> list[int]:
+    """The pids still alive after grace_s, which are then SIGKILLed (the test fails, nothing leaks)."""
+    deadline = time.monotonic() + grace_s
+    while (alive_now := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in alive_now:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return alive_now
+
+
 def mesh_pids(mesh: Mesh) -> list[int]:
+    """Every service, each Triton and its model stubs: none may outlive the test."""
     pids = [c.proc.pid for c in mesh.children()]
-    pids += [int(w.info["triton_pid"]) for w in mesh.workers if w.info.get("triton_pid")]
+    for worker in mesh.workers:
+        if worker.info.get("triton_pid"):
+            pids += descendants(int(worker.info["triton_pid"]))
     return pids
 
 
@@ -105,7 +120,7 @@ def running_mesh(tmp: Path, workers: int = 2, **settings: object) -> Iterator[Me
     finally:
         handle.channel.close()
         real.stop()
-    leftovers = [pid for pid in pids if alive(pid)]
+    leftovers = left_behind(pids)
     assert not leftovers, f"processes left behind: {leftovers}"
 
 

@@ -14,7 +14,7 @@ import pytest
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
-from .conftest import MeshHandle, alive, mesh_pids, wait_all_serving
+from .conftest import MeshHandle, left_behind, mesh_pids, wait_all_serving
 
 pytestmark = pytest.mark.integration
 
@@ -86,5 +86,5 @@ def test_sigkill_and_sigstop_mid_stream_interrupt_no_stream(tmp_path: Path) -> N
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
         mesh.stop()
-    leftovers = [pid for pid in pids if alive(pid)]
+    leftovers = left_behind(pids)
     assert not leftovers, f"processes left behind: {leftovers}"

@@ -12,7 +12,7 @@ import pytest
 
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
-from .conftest import MeshHandle, alive, mesh_pids, start_mesh, wait_all_serving
+from .conftest import MeshHandle, alive, left_behind, mesh_pids, start_mesh, wait_all_serving
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def test_killed_worker_weight_drops_and_traffic_moves(tmp_path: Path) -> None:
         handle.channel.close()
     finally:
         real.stop()
-    leftovers = [pid for pid in pids if alive(pid)]
+    leftovers = left_behind(pids)
     assert not leftovers, f"processes left behind: {leftovers}"
 
 

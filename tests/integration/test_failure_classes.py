@@ -7,6 +7,7 @@ and the drains use real signals.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -20,7 +21,7 @@ import pytest
 
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
-from .conftest import MeshHandle, alive, mesh_pids, running_mesh, start_mesh, wait_all_serving
+from .conftest import MeshHandle, alive, descendants, left_behind, mesh_pids, running_mesh, start_mesh, wait_all_serving
 
 pytestmark = pytest.mark.integration
 
@@ -110,6 +111,14 @@ def test_killed_triton_is_restarted_and_weight_recovers(faulty: MeshHandle) -> N
     worker = faulty.mesh.workers[1]
     before = worker_stats(worker.address)
     old_pid = describe(worker.address).triton_pid
+    stubs = descendants(old_pid)[1:]
+    assert stubs, "the model's Python stub runs under Triton"
+    # Killed while generating: a busy stub is the one that outlived its Triton.
+    channel = grpc.insecure_channel(worker.address)
+    start = worker_pb2.WorkerCommand(start=inference_pb2.GenerateRequest(
+        prompt="long", max_tokens=3000, ignore_eos=True, request_id="killed-mid-generation"))
+    running = worker_pb2_grpc.WorkerStub(channel).Generate(iter([start]), timeout=60)
+    assert next(running).HasField("chunk")
     os.kill(old_pid, signal.SIGKILL)
 
     def weight() -> float:
@@ -125,6 +134,10 @@ def test_killed_triton_is_restarted_and_weight_recovers(faulty: MeshHandle) -> N
     assert after.state_reason == "serving"
     assert describe(worker.address).triton_pid not in (0, old_pid)
     assert not alive(old_pid)
+    assert not left_behind(stubs, 5), "a SIGKILLed Triton's model stub must end too"
+    with contextlib.suppress(grpc.RpcError):
+        list(running)  # ended by the kill
+    channel.close()
     wait_for(lambda: weight() > 0, 10, "weight back")
 
 
@@ -155,7 +168,7 @@ def test_worker_sigterm_drains_in_flight_streams(tmp_path: Path) -> None:
         handle.channel.close()
     finally:
         mesh.stop()
-    assert not [pid for pid in pids if alive(pid)]
+    assert not left_behind(pids)
 
 
 def test_router_sigterm_finishes_in_flight_and_refuses_new(tmp_path: Path) -> None:
@@ -179,7 +192,7 @@ def test_router_sigterm_finishes_in_flight_and_refuses_new(tmp_path: Path) -> No
         handle.channel.close()
     finally:
         mesh.stop()
-    assert not [pid for pid in pids if alive(pid)]
+    assert not left_behind(pids)
 
 
 def test_sigstopped_worker_weight_drops_after_the_probe_deadline_and_recovers(faulty: MeshHandle) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
-from .conftest import MeshHandle, alive, mesh_pids, start_mesh, wait_all_serving
+from .conftest import MeshHandle, left_behind, mesh_pids, start_mesh, wait_all_serving
 
 pytestmark = pytest.mark.integration
 
@@ -70,5 +70,5 @@ def test_resume_after_caller_disconnect_and_after_router_replaced(tmp_path: Path
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         mesh.stop()
-    leftovers = [pid for pid in pids if alive(pid)]
+    leftovers = left_behind(pids)
     assert not leftovers, f"processes left behind: {leftovers}"

@@ -43,8 +43,26 @@ def _response(text, finish, n_in, n_out):
     ])
 
 
+def _exit_with_triton() -> None:
+    """End this stub when its tritonserver dies.
+
+    A SIGKILLed tritonserver (its worker died: parent-death signal) leaves its
+    Python stubs running, reparented, holding the model's memory; the stub does
+    not notice by itself.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-triton", daemon=True).start()
+
+
 class TritonPythonModel:
     def initialize(self, args):
+        _exit_with_triton()
         self.broken = False
 
     def execute(self, requests):

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -44,11 +45,29 @@ def _default_gguf() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def _exit_with_triton() -> None:
+    """End this stub when its tritonserver dies.
+
+    A SIGKILLed tritonserver (its worker died: parent-death signal) leaves its
+    Python stubs running, reparented, holding the model's memory; the stub does
+    not notice by itself.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-triton", daemon=True).start()
+
+
 class TritonPythonModel:
     """Triton entry point: ``initialize``, ``execute``, ``finalize``."""
 
     def initialize(self, args: dict[str, Any]) -> None:
         """Load the GGUF into a llama.cpp server with ``n_parallel`` slots."""
+        _exit_with_triton()
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("this model streams: set model_transaction_policy { decoupled: true }")

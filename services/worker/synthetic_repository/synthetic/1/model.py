@@ -11,6 +11,7 @@ A cancelled request stops at its next response.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -19,11 +20,29 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
+def _exit_with_triton() -> None:
+    """End this stub when its tritonserver dies.
+
+    A SIGKILLed tritonserver (its worker died: parent-death signal) leaves its
+    Python stubs running, reparented, holding the model's memory; the stub does
+    not notice by itself.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-triton", daemon=True).start()
+
+
 class TritonPythonModel:
     """Triton entry point: ``initialize``, ``execute``, ``finalize``."""
 
     def initialize(self, args: dict[str, Any]) -> None:
         """Read the rates."""
+        _exit_with_triton()
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         tokens_per_s = float(params.get("tokens_per_s", "1000"))
