@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -62,8 +63,10 @@ def left_behind(pids: list[int], grace_s: float = 3.0) -> list[int]:
     while (alive_now := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in alive_now:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            # Ours (a reused pid would name another program): a service, Triton or a model stub.
+            if re.search(rb"tokenmesh|triton", Path(f"/proc/{pid}/cmdline").read_bytes()):
+                os.kill(pid, signal.SIGKILL)
     return alive_now
 
 
