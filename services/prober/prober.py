@@ -202,6 +202,8 @@ class Prober(Service):
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "health stream ended")
             except grpc.aio.AioRpcError as exc:
                 self._mark(view, reachable=False, serving=False, error=f"health {exc.code().name}")
+            if self._stopped:
+                return  # stopping: a cancelled call may surface as a gRPC error, not as CancelledError
             await asyncio.sleep(0.25)
 
     async def _watch_stats(self, view: WorkerView, channel: grpc.aio.Channel) -> None:
@@ -240,6 +242,8 @@ class Prober(Service):
                 self._mark(view, reachable=False, error=f"stats {reason}")
             finally:
                 call.cancel()
+            if self._stopped:
+                return  # stopping: a cancelled call may surface as a gRPC error, not as CancelledError
             await asyncio.sleep(0.25)
 
     # -- weights ------------------------------------------------------------
@@ -312,6 +316,8 @@ class Prober(Service):
             finally:
                 reader.cancel()
                 call.cancel()
+            if self._stopped:
+                return  # stopping: a cancelled call may surface as a gRPC error, not as CancelledError
             await asyncio.sleep(0.25)
 
     async def _read_acks(self, link: _RouterLink, call: grpc.aio.StreamStreamCall[Any, Any]) -> None:
@@ -346,7 +352,8 @@ class Prober(Service):
         self._stopped = True
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
         for channel in self._channels:
             await channel.close()
         await self.host.stop(grace=0.5)
