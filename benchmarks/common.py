@@ -6,6 +6,9 @@ import contextlib
 import dataclasses
 import math
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -15,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from tokenmesh.mesh import Mesh, MeshConfig
+from tokenmesh.process import dies_with_parent
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 
 
@@ -59,6 +63,19 @@ def tree_rss_mb(pid: int) -> float:
         with contextlib.suppress(OSError):
             total += rss_mb(member)
     return total
+
+
+def free_port() -> int:
+    """A port free on loopback now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_relay(*args: str) -> subprocess.Popen[bytes]:
+    """Run relay.py (the one-hop baseline's source or relay) as a child that dies with us."""
+    script = Path(__file__).parent / "relay.py"
+    return subprocess.Popen(dies_with_parent([sys.executable, str(script), *args]))  # noqa: S603
 
 
 def cpu_seconds(pid: int) -> float:

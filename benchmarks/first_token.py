@@ -4,7 +4,9 @@ Starts the embedded mesh on the synthetic model (5 ms to its first token) and
 sends --requests sequential requests of 5 tokens, in turn straight to one
 worker's Triton (tritonclient), to that worker (Worker/Generate) and to the
 router (Inference/Generate). Prints TTFT p50/min per path: the differences are
-what each hop adds to the first token on an idle mesh.
+what each hop adds to the first token on an idle mesh. For scale, the same for
+relay.py's source and one bare grpc.aio relay in front of it (the floor of a
+Python hop).
 
     .venv/bin/python benchmarks/first_token.py --requests 60
 """
@@ -17,12 +19,13 @@ import statistics
 import time
 
 import grpc
-from common import running_mesh
+from common import free_port, running_mesh, start_relay
 
 from tokenmesh.bench.metrics import RequestResult
 from tokenmesh.bench.prompts import Prompt
 from tokenmesh.bench.targets import MeshTarget, TritonTarget
 from tokenmesh.mesh import MeshConfig
+from tokenmesh.process import stop_process
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
 
@@ -57,6 +60,32 @@ async def measure(router: str, worker: str, triton_url: str, requests: int) -> d
     return seen
 
 
+async def measure_relay(source: str, relay: str, requests: int) -> dict[str, list[float]]:
+    targets = {"source": MeshTarget(source), "relay": MeshTarget(relay)}
+    seen: dict[str, list[float]] = {name: [] for name in targets}
+    for target in targets.values():
+        await target.open()
+    for _ in range(requests):
+        for name, target in targets.items():
+            result = RequestResult(name, time.monotonic())
+            await target.run(Prompt(text="hello there", max_tokens=5), result)
+            assert result.ttft is not None, result.error
+            seen[name].append(result.ttft)
+    for target in targets.values():
+        await target.close()
+    return seen
+
+
+def report(seen: dict[str, list[float]]) -> None:
+    base = None
+    for name, values in seen.items():
+        values = values[10:]
+        p50 = statistics.median(values) * 1000
+        added = f"  (+{p50 - base:.2f} ms)" if base is not None else ""
+        print(f"{name:7} p50 {p50:6.2f} ms  min {min(values) * 1000:6.2f} ms{added}")
+        base = p50
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=60, help="requests per path (the first 10 are warm-up)")
@@ -67,15 +96,19 @@ def main() -> None:
         worker = mesh.workers[0]
         seen = asyncio.run(measure(mesh.router.address, worker.address, str(worker.info["triton_url"]),
                                    args.requests))
-    base = None
+    source_port, relay_port = free_port(), free_port()
+    source = start_relay("source", "--port", str(source_port))
+    relay = start_relay("relay", "--port", str(relay_port), "--upstream", f"127.0.0.1:{source_port}")
+    try:
+        time.sleep(2)  # both listening
+        baseline = asyncio.run(measure_relay(f"127.0.0.1:{source_port}", f"127.0.0.1:{relay_port}", args.requests))
+    finally:
+        for proc in (relay, source):
+            stop_process(proc, 5)
     print(f"TTFT of {args.requests - 10} sequential 5-token requests (synthetic model: 5 ms to its first token)")
-    for name in ("triton", "worker", "router"):
-        values = seen[name][10:]
-        p50 = statistics.median(values) * 1000
-        added = f"  (+{p50 - base:.2f} ms)" if base is not None else ""
-        print(f"{name:7} p50 {p50:6.2f} ms  min {min(values) * 1000:6.2f} ms{added}")
-        base = p50
-
+    report({name: seen[name] for name in ("triton", "worker", "router")})
+    print("baseline: relay.py source (first chunk after 5 ms) and one bare grpc.aio relay")
+    report(baseline)
 
 if __name__ == "__main__":
     main()

@@ -18,32 +18,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
-from common import cpu_seconds, running_mesh
+from common import cpu_seconds, free_port, running_mesh, start_relay
 
 from tokenmesh.bench.metrics import RequestResult, summarize
 from tokenmesh.bench.prompts import synthetic
 from tokenmesh.bench.runner import Load, drive
 from tokenmesh.bench.targets import MeshTarget
 from tokenmesh.mesh import MeshConfig
-from tokenmesh.process import dies_with_parent, stop_process
+from tokenmesh.process import stop_process
 from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
-
-HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start(*args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(dies_with_parent([sys.executable, str(HERE / "relay.py"), *args]))  # noqa: S603
 
 
 async def measure(addr: str, hop_pid: int, args: argparse.Namespace) -> tuple[list[RequestResult], float]:
@@ -71,8 +55,8 @@ def main() -> None:
     args = parser.parse_args()
 
     source_port, relay_port = free_port(), free_port()
-    source = start("source", "--port", str(source_port))
-    relay = start("relay", "--port", str(relay_port), "--upstream", f"127.0.0.1:{source_port}")
+    source = start_relay("source", "--port", str(source_port))
+    relay = start_relay("relay", "--port", str(relay_port), "--upstream", f"127.0.0.1:{source_port}")
     runs: dict[str, list[tuple[list[RequestResult], float]]] = {"relay": [], "mesh": []}
     try:
         config = MeshConfig(port=0, model_repository=str(SHIPPED_REPOSITORIES["synthetic"]),
