@@ -58,8 +58,6 @@ class Record:
         self.max_bytes = max_bytes
         self.read = 0
         """Events some reader has taken (those are never merged into)."""
-        self.merged = 0
-        """Chunks merged into an unread one."""
         self.done = False
         self.finished_at = 0.0
         self.attached = 0
@@ -92,7 +90,6 @@ class Record:
             last.chunk.text += event.chunk.text
             last.chunk.token_count += event.chunk.token_count
             self.bytes += last.ByteSize()
-            self.merged += 1
             return  # readers were woken for that chunk and have not taken it yet
         if event.WhichOneof("event") != "error":
             event.seq = self.first_seq + self.total
