@@ -104,7 +104,9 @@ class _StallWatchdog:
     """Cancels a worker call that sends nothing for too long (then ``stalled`` says why).
 
     One timer per stream that re-arms itself, instead of a timeout around
-    every read: a read per token is the router's hot path.
+    every read: a read per token is the router's hot path. Only time spent
+    waiting for a read counts: while the router waits for a slow caller, the
+    worker is not stalled.
     """
 
     def __init__(self, call: grpc.aio.StreamStreamCall[Any, Any], first_s: float, between_s: float) -> None:
@@ -112,21 +114,31 @@ class _StallWatchdog:
         self._loop = asyncio.get_running_loop()
         self._limit = first_s
         self._between = between_s
-        self._last = self._loop.time()
+        self._since = self._loop.time()
+        self._reading = True
         self.stalled = ""
-        self._timer = self._loop.call_at(self._last + first_s, self._check)
+        self._timer = self._loop.call_at(self._since + first_s, self._check)
+
+    def reading(self) -> None:
+        """A read begins: silence counts from now."""
+        self._since = self._loop.time()
+        self._reading = True
 
     def fed(self) -> None:
-        """An event arrived."""
-        self._last = self._loop.time()
+        """The read returned an event."""
+        self._reading = False
         if self._limit != self._between:  # the first event: from the TTFT limit to the stall limit
             self._limit = self._between
             self._timer.cancel()
-            self._timer = self._loop.call_at(self._last + self._between, self._check)
+            self._timer = self._loop.call_at(self._loop.time() + self._between, self._check)
 
     def _check(self) -> None:
-        due = self._last + self._limit
-        if self._loop.time() < due:
+        now = self._loop.time()
+        if not self._reading:  # the router is busy with the caller: look again later
+            self._timer = self._loop.call_at(now + self._limit, self._check)
+            return
+        due = self._since + self._limit
+        if now < due:
             self._timer = self._loop.call_at(due, self._check)
             return
         self.stalled = f"stalled: no output for {self._limit:g} s"
@@ -305,6 +317,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if live.cancel_requested:
                 await call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
             while True:
+                watchdog.reading()
                 event = await call.read()
                 if event is grpc.aio.EOF:
                     raise _WorkerFailed("worker closed the stream without an end")

@@ -119,3 +119,22 @@ async def test_cut_connection_mid_stream_fails_over() -> None:
         await proxy.stop()
         for w in workers:
             await w.stop()
+
+
+async def test_a_slow_caller_is_not_a_stalled_worker() -> None:
+    """While the router waits for its caller, silence from the worker is not a stall."""
+    async with in_process_mesh(stall_timeout_s=0.3, backend_settings={"max_context": 4096}) as mesh:
+        for backend in mesh.backends:
+            backend.delay = 0.001
+        # The caller's window is small, so the router soon waits on it, not on the worker.
+        options = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 4096))
+        async with grpc.aio.insecure_channel(mesh.router.host.address, options=options) as channel:
+            call = inference_pb2_grpc.InferenceStub(channel).Generate(
+                inference_pb2.GenerateRequest(prompt="hello", max_tokens=1500))
+            chunks = [await call.read()]
+            await asyncio.sleep(1.5)  # five stall windows without reading
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                chunks.append(chunk)
+        assert_exact(chunks, 1500)
+        assert chunks[-1].migrations == 0
+        assert sum(len(b.started) for b in mesh.backends) == 1  # never restarted elsewhere
