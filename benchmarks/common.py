@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from tokenmesh.mesh import Mesh, MeshConfig
-from tokenmesh.process import dies_with_parent
+from tokenmesh.process import cpu_seconds, descendants, dies_with_parent
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 
 
@@ -38,28 +37,10 @@ def rss_mb(pid: int) -> float:
     return math.nan
 
 
-def process_tree(pid: int) -> list[int]:
-    """The process and all its descendants (e.g. Triton and its Python backend stubs)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo.extend(children.get(current, []))
-    return tree
-
-
 def tree_rss_mb(pid: int) -> float:
     """RSS of a process and all its descendants, MiB."""
     total = 0.0
-    for member in process_tree(pid):
+    for member in descendants(pid):
         with contextlib.suppress(OSError):
             total += rss_mb(member)
     return total
@@ -78,14 +59,9 @@ def start_relay(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(dies_with_parent([sys.executable, str(script), *args]))  # noqa: S603
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time a process and its descendants have used (those alive now)."""
-    total = 0
-    for member in process_tree(pid):
-        with contextlib.suppress(OSError, IndexError):
-            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+def tree_cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process and its descendants (those alive now) have used."""
+    return cpu_seconds(descendants(pid))
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from common import cpu_seconds, free_port, running_mesh, start_relay
+from common import free_port, running_mesh, start_relay, tree_cpu_seconds
 
 from tokenmesh.bench.metrics import RequestResult, summarize
 from tokenmesh.bench.prompts import synthetic
@@ -37,9 +37,9 @@ async def measure(addr: str, hop_pid: int, args: argparse.Namespace) -> tuple[li
     try:
         prompts = synthetic(args.requests, 16, args.tokens, seed=1)
         await drive(target, prompts[: args.concurrency], Load(concurrency=args.concurrency))  # warm-up
-        before = cpu_seconds(hop_pid)
+        before = tree_cpu_seconds(hop_pid)
         results = await drive(target, prompts, Load(concurrency=args.concurrency))
-        return results, cpu_seconds(hop_pid) - before
+        return results, tree_cpu_seconds(hop_pid) - before
     finally:
         await target.close()
 

@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from tokenmesh.mesh import Mesh, MeshConfig
+from tokenmesh.process import descendants
 from tokenmesh.v1 import inference_pb2_grpc, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -131,31 +132,3 @@ def running_mesh(tmp: Path, workers: int = 2, **settings: object) -> Iterator[Me
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshHandle]:
     with running_mesh(tmp_path_factory.mktemp("mesh")) as handle:
         yield handle
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo.extend(children.get(current, []))
-    return found
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    ticks = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])  # utime + stime
-    return ticks / os.sysconf("SC_CLK_TCK")

@@ -19,9 +19,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tokenmesh.process import descendants
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
-from .conftest import MeshHandle, alive, descendants, left_behind, mesh_pids, running_mesh, start_mesh, wait_all_serving
+from .conftest import MeshHandle, alive, left_behind, mesh_pids, running_mesh, start_mesh, wait_all_serving
 
 pytestmark = pytest.mark.integration
 

@@ -11,9 +11,10 @@ import time
 import grpc
 import pytest
 
+from tokenmesh.process import cpu_seconds, descendants
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
-from .conftest import MeshHandle, cpu_seconds, descendants, grpcurl, json_stream
+from .conftest import MeshHandle, grpcurl, json_stream
 
 pytestmark = pytest.mark.integration
 
