@@ -62,7 +62,8 @@ class Record:
         self.finished_at = 0.0
         self.attached = 0
         self.detached_at = time.monotonic()
-        self.changed = asyncio.Condition()
+        self._waiters: set[asyncio.Future[None]] = set()
+        """One future per reader waiting for the next event (cheaper per token than a Condition's lock)."""
         self.task: asyncio.Task[None] | None = None
         self.queued = False
         """It started with every engine slot busy (so its TTFT includes queueing); set by the worker."""
@@ -74,7 +75,22 @@ class Record:
         """Events produced so far (kept or evicted)."""
         return self.evicted + len(self.events)
 
-    async def append(self, event: worker_pb2.WorkerEvent) -> None:
+    def _wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    async def _changed(self) -> None:
+        """Wait for the next append or finish."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            await waiter
+        finally:
+            self._waiters.discard(waiter)
+
+    def append(self, event: worker_pb2.WorkerEvent) -> None:
         """Add an event, evicting the oldest beyond the byte budget; wake readers.
 
         A chunk that arrives while the previous chunk is still unread by every
@@ -99,15 +115,13 @@ class Record:
         while self.bytes > self.max_bytes and len(self.events) > 1:
             self.bytes -= self.events.popleft().ByteSize()
             self.evicted += 1
-        async with self.changed:
-            self.changed.notify_all()
+        self._wake()
 
-    async def finish(self) -> None:
+    def finish(self) -> None:
         """Mark done (no more events) and wake readers."""
         self.done = True
         self.finished_at = time.monotonic()
-        async with self.changed:
-            self.changed.notify_all()
+        self._wake()
 
     async def stream(self, after_seq: int) -> AsyncIterator[worker_pb2.WorkerEvent]:
         """Events with seq > after_seq (and a final error), then live ones until done."""
@@ -141,9 +155,7 @@ class Record:
                         return  # an error ends the stream
                 if self.done:
                     return
-                async with self.changed:
-                    if not self.done and position >= self.total:
-                        await self.changed.wait()
+                await self._changed()
         finally:
             self.attached -= 1
             if not self.attached:
@@ -227,7 +239,7 @@ class Registry:
                     last = now
                     record.tokens += event.tokens
                     chunk = worker_pb2.TokenChunk(text=event.text, token_count=event.tokens)
-                    await record.append(worker_pb2.WorkerEvent(chunk=chunk))
+                    record.append(worker_pb2.WorkerEvent(chunk=chunk))
                     continue
                 if event.reason == "cancelled" and record.shed_reason:
                     raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, record.shed_reason)
@@ -240,18 +252,18 @@ class Registry:
                 reason = FINISH_REASONS.get(event.reason, inference_pb2.FINISH_REASON_STOP)
                 extra = max(0, event.completion_tokens - record.tokens)
                 end = worker_pb2.GenerationEnd(finish_reason=reason, usage=usage, token_count=extra)
-                await record.append(worker_pb2.WorkerEvent(end=end))
+                record.append(worker_pb2.WorkerEvent(end=end))
                 break
         except BackendError as error:
             log.warning("generation %s failed (%s): %s", record.request_id, error.error_class, error.message)
             err = worker_pb2.GenerationError(error_class=error.error_class, message=error.message)
-            await record.append(worker_pb2.WorkerEvent(error=err))
+            record.append(worker_pb2.WorkerEvent(error=err))
             self._on_error(record, error)
         except asyncio.CancelledError:
             record.generation.cancel()
             raise
         finally:
-            await record.finish()
+            record.finish()
             self._on_settled(record)
 
     async def _collect(self) -> None:

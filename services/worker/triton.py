@@ -3,8 +3,9 @@
 :class:`TritonProcess` runs the ``tritonserver`` binary shipped in the
 nvidia-pytriton wheel on loopback ports, in a per-worker folder.
 :class:`TritonBackend` forwards generations to a Triton (its own or one given by
-URL) with ``tritonclient.grpc.aio`` ``stream_infer`` on a decoupled model whose
-tensors follow the Triton vLLM backend contract.
+URL) as one ``ModelStreamInfer`` call each, on a decoupled model whose tensors
+follow the Triton vLLM backend contract; ``tritonclient`` serves the rest (model
+index, configs, statistics).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import grpc
 import tritonclient.grpc.aio as triton_aio
 from google.protobuf import text_format
-from tritonclient.grpc import InferInput
 from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tokenmesh.errors import classify_backend_message
@@ -55,6 +56,8 @@ SHIPPED_REPOSITORIES = {
 }
 """The model repositories tokenmesh ships, by the model they hold (``tokenmesh up --model``)."""
 PORT_ATTEMPTS = 3
+STREAM_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+"""The generation channel to Triton: prompts and responses of any size (as tritonclient allows)."""
 
 
 class PortTaken(RuntimeError):
@@ -241,14 +244,18 @@ class TritonProcess:
             await proc.wait()
 
 
-def _bytes_input(name: str, value: str) -> InferInput:
-    tensor = InferInput(name, [1], "BYTES")
-    tensor.set_data_from_numpy(np.array([value.encode("utf-8")], dtype=np.object_))
-    return tensor
+def _add_input(request: service_pb2.ModelInferRequest, name: str, datatype: str, raw: bytes) -> None:
+    request.inputs.add(name=name, datatype=datatype, shape=[1])
+    request.raw_input_contents.append(raw)
 
 
-def build_inputs(params: GenerationParams) -> list[InferInput]:
-    """The vLLM-backend tensors for a generation (plus the messages extension)."""
+def _bytes_element(value: str) -> bytes:
+    data = value.encode("utf-8")
+    return len(data).to_bytes(4, "little") + data  # Triton's BYTES: 4-byte length, then the bytes
+
+
+def build_request(params: GenerationParams) -> service_pb2.ModelInferRequest:
+    """The vLLM-backend tensors for a generation (plus the messages extension), as raw contents."""
     sampling: dict[str, Any] = {"max_tokens": params.max_tokens}
     if params.temperature is not None:
         sampling["temperature"] = params.temperature
@@ -260,17 +267,14 @@ def build_inputs(params: GenerationParams) -> list[InferInput]:
         sampling["seed"] = params.seed
     if params.ignore_eos:
         sampling["ignore_eos"] = True
-    stream = InferInput("stream", [1], "BOOL")
-    stream.set_data_from_numpy(np.array([True], dtype=bool))
-    inputs = [
-        _bytes_input("text_input", params.prompt),
-        stream,
-        _bytes_input("sampling_parameters", json.dumps(sampling)),
-    ]
+    request = service_pb2.ModelInferRequest(model_name=params.model, id=params.request_id)
+    _add_input(request, "text_input", "BYTES", _bytes_element(params.prompt))
+    _add_input(request, "stream", "BOOL", b"\x01")
+    _add_input(request, "sampling_parameters", "BYTES", _bytes_element(json.dumps(sampling)))
     if params.messages:
         messages = [{"role": role, "content": content} for role, content in params.messages]
-        inputs.append(_bytes_input("messages", json.dumps(messages)))
-    return inputs
+        _add_input(request, "messages", "BYTES", _bytes_element(json.dumps(messages)))
+    return request
 
 
 class _Outputs:
@@ -278,17 +282,18 @@ class _Outputs:
 
     Per token this is the worker's hot path: reading ``raw_output_contents``
     directly (BYTES: 4-byte little-endian length, then the bytes; UINT32: 4
-    bytes) skips tritonclient's numpy deserialization of every tensor.
+    bytes) skips a numpy deserialization of every tensor.
     """
 
-    def __init__(self, result: Any) -> None:
-        self.response = result.get_response()
-        self._index = {output.name: i for i, output in enumerate(self.response.outputs)}
+    def __init__(self, response: service_pb2.ModelInferResponse) -> None:
+        self.response = response
 
     def _raw(self, name: str) -> bytes:
-        i = self._index.get(name)
-        raw = self.response.raw_output_contents
-        return raw[i] if i is not None and i < len(raw) else b""
+        for i, output in enumerate(self.response.outputs):
+            if output.name == name:
+                raw = self.response.raw_output_contents
+                return raw[i] if i < len(raw) else b""
+        return b""
 
     def text(self, name: str) -> str:
         raw = self._raw(name)
@@ -306,11 +311,26 @@ class _Outputs:
         return bool(self.response.parameters["triton_final_response"].bool_param)
 
 
-class TritonGeneration(Generation):
-    """One decoupled ``stream_infer`` call; cancelling it cancels the Triton request."""
+def _rpc_error_class(exc: grpc.aio.AioRpcError) -> worker_pb2.ErrorClass:
+    code = exc.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return worker_pb2.ERROR_CLASS_TIMEOUT
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return worker_pb2.ERROR_CLASS_UNAVAILABLE
+    return classify_backend_message(exc.details() or "")
 
-    def __init__(self, client: triton_aio.InferenceServerClient, params: GenerationParams) -> None:
-        self._client = client
+
+class TritonGeneration(Generation):
+    """One decoupled ``ModelStreamInfer`` call; cancelling it cancels the Triton request.
+
+    The call is made with the generated gRPC stub, not tritonclient's
+    ``stream_infer``: one write of a request built with raw contents, then
+    reads, with no request-iterator task and no per-response wrapper objects
+    (the worker's CPU per token competes with the engine on small machines).
+    """
+
+    def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub, params: GenerationParams) -> None:
+        self._stub = stub
         self._params = params
         self._call: Any = None
         self._cancelled = False
@@ -324,20 +344,22 @@ class TritonGeneration(Generation):
     async def __aiter__(self) -> AsyncIterator[Delta | Finished]:
         """Deltas as Triton streams them, then Finished (or BackendError)."""
         params = self._params
-
-        async def requests() -> AsyncIterator[dict[str, Any]]:
-            yield {"model_name": params.model, "inputs": build_inputs(params), "request_id": params.request_id}
-
         completion_tokens = 0
         if self._cancelled:
             yield Finished("cancelled", 0, 0)
             return
-        self._call = self._client.stream_infer(requests(), stream_timeout=params.timeout_s)
+        call = self._call = self._stub.ModelStreamInfer(timeout=params.timeout_s)
         try:
-            async for result, error in self._call:
-                if error is not None:
-                    raise error
-                outputs = _Outputs(result)
+            await call.write(build_request(params))
+            await call.done_writing()  # Triton ends the stream after the final response
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    break
+                if message.error_message:
+                    error = message.error_message
+                    raise BackendError(classify_backend_message(error), f"Triton: {error}")
+                outputs = _Outputs(message.infer_response)
                 text = outputs.text("text_output")
                 tokens = outputs.uint("num_output_tokens")
                 final = outputs.final
@@ -351,18 +373,22 @@ class TritonGeneration(Generation):
                     yield Delta(text, tokens - completion_tokens if tokens > completion_tokens else 0)
                 yield Finished(finish, outputs.uint("num_input_tokens"), max(tokens, completion_tokens))
                 return
-        except InferenceServerException as exc:
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             if self._cancelled:
                 yield Finished("cancelled", 0, completion_tokens)
                 return
-            message = exc.message() or str(exc)
-            raise BackendError(classify_backend_message(message), f"Triton: {message}") from exc
+            if isinstance(exc, asyncio.InvalidStateError):
+                raise
+            message = f"{exc.code().name}: {exc.details()}"
+            raise BackendError(_rpc_error_class(exc), f"Triton: {message}") from exc
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._cancelled and task is not None and task.cancelling() == 0:
                 yield Finished("cancelled", 0, completion_tokens)
                 return
             raise
+        finally:
+            call.cancel()  # no-op once Triton ended the stream
         if self._cancelled:
             yield Finished("cancelled", 0, completion_tokens)
             return
@@ -394,6 +420,8 @@ class TritonBackend(Backend):
         self.config = config
         self.process = TritonProcess(config.process) if config.url is None and config.process else None
         self._client: triton_aio.InferenceServerClient | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stream_stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
         self._models: list[ModelSpec] = []
 
     @property
@@ -423,6 +451,8 @@ class TritonBackend(Backend):
         if self.process is not None:
             await self.process.start()
         self._client = triton_aio.InferenceServerClient(self.endpoint)
+        self._channel = grpc.aio.insecure_channel(self.endpoint, options=STREAM_CHANNEL_OPTIONS)
+        self._stream_stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         timeout = self.config.process.start_timeout_s if self.config.process else 60.0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -509,9 +539,9 @@ class TritonBackend(Backend):
 
     def generate(self, params: GenerationParams) -> Generation:
         """A streaming generation on Triton."""
-        if self._client is None:
+        if self._stream_stub is None:
             raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, "Triton backend is not started")
-        return TritonGeneration(self._client, params)
+        return TritonGeneration(self._stream_stub, params)
 
     async def failed(self) -> str:
         """Wait for our tritonserver to exit; return its exit code as the reason."""
@@ -537,5 +567,8 @@ class TritonBackend(Backend):
             client, self._client = self._client, None
             with contextlib.suppress(Exception):
                 await client.close()
+        if self._channel is not None:
+            channel, self._channel, self._stream_stub = self._channel, None, None
+            await channel.close()
         if self.process is not None:
             await self.process.stop()

@@ -127,11 +127,11 @@ async def test_unread_chunks_merge_read_ones_never_change_and_a_stopped_reader_o
     backend = FakeBackend()
     record = Record("m", 1, 0, backend.generate(GenerationParams(model="fake", prompt="p")), max_bytes=4096)
     reader = record.stream(0)
-    await record.append(chunk("a "))
+    record.append(chunk("a "))
     first = await anext(reader)
     assert (first.seq, first.chunk.text) == (1, "a ")
     for text in ("b ", "c ", "d "):  # the reader is busy (e.g. its gRPC write waits)
-        await record.append(chunk(text))
+        record.append(chunk(text))
     assert record.total == 2  # b, c and d merged into one unread chunk
     assert (first.chunk.text, first.chunk.token_count) == ("a ", 1)  # what was read never changes
     second = await anext(reader)
@@ -142,7 +142,7 @@ async def test_unread_chunks_merge_read_ones_never_change_and_a_stopped_reader_o
     await replay.aclose()
     # A reader that stops: merged chunks stay under 4096/8 bytes, so the buffer overflows for it.
     for i in range(800):
-        await record.append(chunk(f"token{i:04d} "))
+        record.append(chunk(f"token{i:04d} "))
     assert max(e.ByteSize() for e in record.events) <= 4096 // 8 and record.evicted > 2
     with pytest.raises(ResourceExhausted, match="reader too slow"):
         await anext(reader)
