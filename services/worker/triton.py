@@ -56,8 +56,8 @@ SHIPPED_REPOSITORIES = {
 }
 """The model repositories tokenmesh ships, by the model they hold (``tokenmesh up --model``)."""
 PORT_ATTEMPTS = 3
-STREAM_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-"""The generation channel to Triton: prompts and responses of any size (as tritonclient allows)."""
+TRITON_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+"""Our own channel to Triton (generations, statistics): messages of any size, as tritonclient allows."""
 
 
 class PortTaken(RuntimeError):
@@ -421,7 +421,7 @@ class TritonBackend(Backend):
         self.process = TritonProcess(config.process) if config.url is None and config.process else None
         self._client: triton_aio.InferenceServerClient | None = None
         self._channel: grpc.aio.Channel | None = None
-        self._stream_stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
+        self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
         self._models: list[ModelSpec] = []
 
     @property
@@ -451,8 +451,8 @@ class TritonBackend(Backend):
         if self.process is not None:
             await self.process.start()
         self._client = triton_aio.InferenceServerClient(self.endpoint)
-        self._channel = grpc.aio.insecure_channel(self.endpoint, options=STREAM_CHANNEL_OPTIONS)
-        self._stream_stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._channel = grpc.aio.insecure_channel(self.endpoint, options=TRITON_CHANNEL_OPTIONS)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         timeout = self.config.process.start_timeout_s if self.config.process else 60.0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -512,18 +512,19 @@ class TritonBackend(Backend):
 
     async def engine_stats(self) -> EngineStats | None:
         """Queue totals from Triton's statistics API; the pending gauge from its metrics endpoint."""
-        if self._client is None:
+        if self._stub is None:
             return None
         try:
-            stats = await self._client.get_inference_statistics("", as_json=True, client_timeout=2)
-        except InferenceServerException as exc:
-            log.debug("Triton statistics unavailable: %s", exc)
+            # The generated stub, not tritonclient's as_json: a JSON round trip of every model's
+            # statistics each poll cost more CPU than the rest of an idle worker.
+            stats = await self._stub.ModelStatistics(service_pb2.ModelStatisticsRequest(), timeout=2)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("Triton statistics unavailable: %s", exc.details())
             return None
         queued = queue_ns = 0
-        for model in stats.get("model_stats", []):
-            queue = model.get("inference_stats", {}).get("queue", {})
-            queued += int(queue.get("count", 0))
-            queue_ns += int(queue.get("ns", 0))
+        for model in stats.model_stats:
+            queued += model.inference_stats.queue.count
+            queue_ns += model.inference_stats.queue.ns
         pending = None
         if self.metrics_url:
             try:
@@ -539,9 +540,9 @@ class TritonBackend(Backend):
 
     def generate(self, params: GenerationParams) -> Generation:
         """A streaming generation on Triton."""
-        if self._stream_stub is None:
+        if self._stub is None:
             raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, "Triton backend is not started")
-        return TritonGeneration(self._stream_stub, params)
+        return TritonGeneration(self._stub, params)
 
     async def failed(self) -> str:
         """Wait for our tritonserver to exit; return its exit code as the reason."""
@@ -568,7 +569,7 @@ class TritonBackend(Backend):
             with contextlib.suppress(Exception):
                 await client.close()
         if self._channel is not None:
-            channel, self._channel, self._stream_stub = self._channel, None, None
+            channel, self._channel, self._stub = self._channel, None, None
             await channel.close()
         if self.process is not None:
             await self.process.stop()
