@@ -141,6 +141,7 @@ async def run(args: argparse.Namespace) -> int:
             await triton.open()
             targets.append(triton)
         runs: dict[str, list[RequestResult]] = {t.name: [] for t in targets}
+        blocks: dict[str, list[list[RequestResult]]] = {t.name: [] for t in targets}
         # Seconds each target was measured: with --compare, its own blocks only.
         busy: dict[str, float] = {t.name: 0.0 for t in targets}
         for target in targets:
@@ -157,6 +158,7 @@ async def run(args: argparse.Namespace) -> int:
                     tagged = [p.tagged(target.name) for p in part]
                     block_results = await _measure(target, tagged, load, args.progress, len(part))
                     runs[target.name] += block_results
+                    blocks[target.name].append(block_results)
                     busy[target.name] += metrics.span(block_results)
         else:
             target = targets[0]
@@ -176,7 +178,7 @@ async def run(args: argparse.Namespace) -> int:
     document: dict[str, Any] = {"summaries": summaries, "arguments": {
         k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | None)}}
     if args.compare:
-        ratios = report.ratios(summaries["mesh"], summaries["triton"])
+        ratios = report.ratios(summaries["mesh"], summaries["triton"], blocks["mesh"], blocks["triton"])
         print(report.ratio_table(ratios))
         document["mesh_over_direct"] = ratios
     if args.json:

@@ -12,6 +12,11 @@ Per request (times on one monotonic clock, from the moment the request is sent):
 - **Stream tokens/s**: output tokens / E2E latency of that request; the run
   reports the population variance sigma^2 of it over successful requests
   (how evenly the streams are served).
+- **TTFT added by the mesh** (mesh target only): TTFT minus the engine's own
+  TTFT that the mesh reports on the final chunk (``timing.engine_ttft_ms``:
+  from the worker sending the request to Triton to Triton's first text). What
+  the network, router and worker added, measured in the same requests, free of
+  the engine's run-to-run noise.
 
 Per run (over the measured requests, warm-up excluded); *duration* runs from
 the first request sent to the last stream ended:
@@ -57,6 +62,8 @@ class RequestResult:
     """Tokens generated (the final usage when the target reports one)."""
     error: str | None = None
     """gRPC status code name of the error it ended in; SEQ_GAP for a seq gap; None when it succeeded."""
+    engine_ttft: float | None = None
+    """The engine's own TTFT in seconds, when the target reports it (the mesh's final chunk timing)."""
 
     @property
     def ok(self) -> bool:
@@ -67,6 +74,12 @@ class RequestResult:
     def ttft(self) -> float | None:
         """Seconds to the first text-bearing chunk."""
         return self.chunk_times[0] - self.sent if self.chunk_times else None
+
+    @property
+    def ttft_added(self) -> float | None:
+        """Seconds the target added to the engine's TTFT (None unless it reports the engine's)."""
+        ttft = self.ttft
+        return ttft - self.engine_ttft if ttft is not None and self.engine_ttft is not None else None
 
     @property
     def e2e(self) -> float | None:
@@ -172,6 +185,7 @@ def summarize(results: Sequence[RequestResult], slo: dict[str, float] | None = N
         "interruption_rate": (len(results) - len(ok)) / len(results) if results else 0.0,
         "errors": dict(sorted(errors.items())),
         "ttft_s": distribution([r.ttft for r in ok if r.ttft is not None]),
+        "ttft_added_s": distribution([a for r in ok if (a := r.ttft_added) is not None]),
         "tpot_s": distribution([t for r in ok if (t := r.tpot) is not None]),
         "itl_s": distribution([gap for r in ok for gap in r.itls]),
         "e2e_s": distribution([e for r in ok if (e := r.e2e) is not None]),

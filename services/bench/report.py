@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenmesh.bench.metrics import RequestResult
+from tokenmesh.bench.metrics import RequestResult, percentile
 
 LATENCIES = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E latency", "e2e_s"))
 
@@ -26,6 +26,8 @@ def table(name: str, summary: Mapping[str, Any]) -> str:
         f"{'':24}" + "".join(f"{k:>10}" for k in STATS),
     ]
     lines += [_row(f"{label} (ms)", summary[key], 1000) for label, key in LATENCIES]
+    if summary.get("ttft_added_s"):
+        lines.append(_row("TTFT added by mesh (ms)", summary["ttft_added_s"], 1000))
     lines.append(_row("stream tokens/s", summary["stream_tokens_per_s"]))
     lines.append(_row("tokens per chunk", summary["tokens_per_chunk"]))
     variance = summary["stream_tokens_per_s_variance"]
@@ -44,35 +46,67 @@ def table(name: str, summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def ratios(mesh: Mapping[str, Any], direct: Mapping[str, Any]) -> dict[str, float | None]:
-    """mesh/direct ratios and mesh-minus-direct overheads (ms) of the figures the mesh is judged by."""
+def block_overheads_ms(mesh: Sequence[Sequence[RequestResult]],
+                       direct: Sequence[Sequence[RequestResult]]) -> list[float]:
+    """Per --compare block: mesh TTFT p50 minus direct TTFT p50, in ms (blocks where both have one)."""
+    out = []
+    for m, d in zip(mesh, direct, strict=False):
+        m_ttft = [t for r in m if r.ok and (t := r.ttft) is not None]
+        d_ttft = [t for r in d if r.ok and (t := r.ttft) is not None]
+        if m_ttft and d_ttft:
+            out.append((percentile(m_ttft, 50) - percentile(d_ttft, 50)) * 1000)
+    return out
+
+
+def ratios(mesh: Mapping[str, Any], direct: Mapping[str, Any],
+           mesh_blocks: Sequence[Sequence[RequestResult]] = (),
+           direct_blocks: Sequence[Sequence[RequestResult]] = ()) -> dict[str, Any]:
+    """mesh/direct ratios and mesh-minus-direct overheads (ms) of the figures the mesh is judged by.
+
+    Besides the overall figures: the TTFT p50 overhead of each block (their
+    spread shows how much of the overall difference is the engine's noise)
+    and the TTFT the mesh itself reports having added (``ttft_added_s``).
+    """
 
     def pick(summary: Mapping[str, Any], key: str, p: str) -> float | None:
         dist = summary[key]
         return dist[p] if dist else None
 
-    out: dict[str, float | None] = {}
+    out: dict[str, Any] = {}
     for p in ("p50", "p99"):
         m, d = pick(mesh, "ttft_s", p), pick(direct, "ttft_s", p)
         out[f"ttft_{p}_ratio"] = m / d if m is not None and d else None
         out[f"ttft_{p}_overhead_ms"] = (m - d) * 1000 if m is not None and d is not None else None
     d_tps = direct["output_tokens_per_s"]
     out["output_tokens_per_s_ratio"] = mesh["output_tokens_per_s"] / d_tps if d_tps else None
+    added = mesh.get("ttft_added_s")
+    out["ttft_added_p50_ms"] = added["p50"] * 1000 if added else None
+    out["ttft_added_p99_ms"] = added["p99"] * 1000 if added else None
+    out["ttft_p50_overhead_by_block_ms"] = block_overheads_ms(mesh_blocks, direct_blocks)
     return out
 
 
-def ratio_table(values: Mapping[str, float | None]) -> str:
+def ratio_table(values: Mapping[str, Any]) -> str:
     """The comparison as text."""
     def show(key: str, unit: str = "") -> str:
         value = values[key]
         return "-" if value is None else f"{value:.3f}{unit}"
 
-    return "\n".join([
+    lines = [
         "== mesh / direct Triton ==",
         f"TTFT p50: {show('ttft_p50_ratio')}x  (overhead {show('ttft_p50_overhead_ms', ' ms')})",
         f"TTFT p99: {show('ttft_p99_ratio')}x  (overhead {show('ttft_p99_overhead_ms', ' ms')})",
         f"output tokens/s: {show('output_tokens_per_s_ratio')}x",
-    ])
+    ]
+    by_block = values["ttft_p50_overhead_by_block_ms"]
+    if len(by_block) > 1:
+        shown = " ".join(f"{v:+.1f}" for v in by_block)
+        lines.append(f"TTFT p50 overhead per block (ms): {shown}  (spread {max(by_block) - min(by_block):.1f} ms: "
+                     "the engine's noise between blocks)")
+    if values["ttft_added_p50_ms"] is not None:
+        lines.append(f"TTFT added by the mesh, as it reports (ms): p50 {show('ttft_added_p50_ms')}, "
+                     f"p99 {show('ttft_added_p99_ms')}")
+    return "\n".join(lines)
 
 
 def write_json(path: str, report: Mapping[str, Any]) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -58,6 +59,10 @@ class _Progress:
     """Tokens sent."""
     migrations: int = 0
     """Times the generation moved to another worker after output began."""
+    started: float = field(default_factory=time.monotonic)
+    """When the router received the request."""
+    timing: inference_pb2.Timing = field(default_factory=inference_pb2.Timing)
+    """Where the time to the first token went (sent on the final chunk)."""
 
 
 def _continuation(base: inference_pb2.GenerateRequest, progress: _Progress) -> inference_pb2.GenerateRequest | None:
@@ -220,12 +225,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         request_id=request_id, seq=progress.seq + 1, model=model.name,
                         finish_reason=inference_pb2.FINISH_REASON_LENGTH,
                         usage=inference_pb2.Usage(completion_tokens=progress.tokens),
+                        migrations=progress.migrations, timing=progress.timing,
                     )
                     return
                 # Workers that just failed are avoided (suspended) for a while. The
                 # first attempt fails fast when no worker is live at all and
                 # queues when all are busy; a failover waits, ahead of the queue.
+                waited = time.monotonic()
                 entry = await self._acquire(model.name, request, tenant, key, context, failover=attempts > 0)
+                if attempts == 0:
+                    progress.timing.queue_ms = (time.monotonic() - waited) * 1000
                 attempts += 1
                 try:
                     relay = self._relay(entry, forward, live, context, progress, resumable=bool(request.request_id))
@@ -331,6 +340,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     raise _WorkerFailed(event.error.message)
                 if event.seq != progress.seq + 1:
                     raise _WorkerFailed(f"worker sent seq {event.seq}, expected {progress.seq + 1}")
+                if event.seq == 1:
+                    if event.chunk.HasField("engine_ttft_ms"):
+                        progress.timing.engine_ttft_ms = event.chunk.engine_ttft_ms
+                    progress.timing.router_ttft_ms = (time.monotonic() - progress.started) * 1000
                 progress.seq = event.seq
                 if kind == "chunk":
                     progress.text.append(event.chunk.text)
@@ -341,6 +354,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 entry.served_total += 1
                 final = _chunk(event, forward.request_id, forward.model)
                 final.migrations = progress.migrations
+                final.timing.CopyFrom(progress.timing)
                 yield final
                 return
         except grpc.aio.AioRpcError as exc:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokenmesh/v1/inference.proto\x12\x0ctokenmesh.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb3\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.tokenmesh.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12(\n\x08priority\x18\t \x01(\x0e\x32\x16.tokenmesh.v1.Priority\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x39\n\x06labels\x18\x0b \x03(\x0b\x32).tokenmesh.v1.GenerateRequest.LabelsEntry\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xcd\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x13\n\x0btoken_count\x18\x04 \x01(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmesh.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.tokenmesh.v1.Usage\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\nmigrations\x18\x08 \x01(\r\"6\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"S\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x12\n\nis_default\x18\x03 \x01(\x08\x12\x0f\n\x07workers\x18\x04 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.tokenmesh.v1.ModelInfo*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRIORITY_LOW\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x11\n\rPRIORITY_HIGH\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xb1\x02\n\tInference\x12H\n\x08Generate\x12\x1d.tokenmesh.v1.GenerateRequest\x1a\x1b.tokenmesh.v1.GenerateChunk0\x01\x12\x44\n\x06Resume\x12\x1b.tokenmesh.v1.ResumeRequest\x1a\x1b.tokenmesh.v1.GenerateChunk0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.tokenmesh.v1.CancelRequest\x1a\x1c.tokenmesh.v1.CancelResponse\x12O\n\nListModels\x12\x1f.tokenmesh.v1.ListModelsRequest\x1a .tokenmesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokenmesh/v1/inference.proto\x12\x0ctokenmesh.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb3\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.tokenmesh.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12(\n\x08priority\x18\t \x01(\x0e\x32\x16.tokenmesh.v1.Priority\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x39\n\x06labels\x18\x0b \x03(\x0b\x32).tokenmesh.v1.GenerateRequest.LabelsEntry\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xf3\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x13\n\x0btoken_count\x18\x04 \x01(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmesh.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.tokenmesh.v1.Usage\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\nmigrations\x18\x08 \x01(\r\x12$\n\x06timing\x18\t \x01(\x0b\x32\x14.tokenmesh.v1.Timing\"\x8c\x01\n\x06Timing\x12\x15\n\x08queue_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0e\x65ngine_ttft_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0erouter_ttft_ms\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x0b\n\t_queue_msB\x11\n\x0f_engine_ttft_msB\x11\n\x0f_router_ttft_ms\"6\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"S\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x12\n\nis_default\x18\x03 \x01(\x08\x12\x0f\n\x07workers\x18\x04 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.tokenmesh.v1.ModelInfo*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRIORITY_LOW\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x11\n\rPRIORITY_HIGH\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xb1\x02\n\tInference\x12H\n\x08Generate\x12\x1d.tokenmesh.v1.GenerateRequest\x1a\x1b.tokenmesh.v1.GenerateChunk0\x01\x12\x44\n\x06Resume\x12\x1b.tokenmesh.v1.ResumeRequest\x1a\x1b.tokenmesh.v1.GenerateChunk0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.tokenmesh.v1.CancelRequest\x1a\x1c.tokenmesh.v1.CancelResponse\x12O\n\nListModels\x12\x1f.tokenmesh.v1.ListModelsRequest\x1a .tokenmesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_PRIORITY']._serialized_start=1096
-  _globals['_PRIORITY']._serialized_end=1190
-  _globals['_FINISHREASON']._serialized_start=1193
-  _globals['_FINISHREASON']._serialized_end=1342
+  _globals['_PRIORITY']._serialized_start=1277
+  _globals['_PRIORITY']._serialized_end=1371
+  _globals['_FINISHREASON']._serialized_start=1374
+  _globals['_FINISHREASON']._serialized_end=1523
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=90
   _globals['_GENERATEREQUEST']._serialized_start=93
@@ -46,19 +46,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=530
   _globals['_USAGE']._serialized_end=587
   _globals['_GENERATECHUNK']._serialized_start=590
-  _globals['_GENERATECHUNK']._serialized_end=795
-  _globals['_RESUMEREQUEST']._serialized_start=797
-  _globals['_RESUMEREQUEST']._serialized_end=851
-  _globals['_CANCELREQUEST']._serialized_start=853
-  _globals['_CANCELREQUEST']._serialized_end=888
-  _globals['_CANCELRESPONSE']._serialized_start=890
-  _globals['_CANCELRESPONSE']._serialized_end=925
-  _globals['_LISTMODELSREQUEST']._serialized_start=927
-  _globals['_LISTMODELSREQUEST']._serialized_end=946
-  _globals['_MODELINFO']._serialized_start=948
-  _globals['_MODELINFO']._serialized_end=1031
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1033
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1094
-  _globals['_INFERENCE']._serialized_start=1345
-  _globals['_INFERENCE']._serialized_end=1650
+  _globals['_GENERATECHUNK']._serialized_end=833
+  _globals['_TIMING']._serialized_start=836
+  _globals['_TIMING']._serialized_end=976
+  _globals['_RESUMEREQUEST']._serialized_start=978
+  _globals['_RESUMEREQUEST']._serialized_end=1032
+  _globals['_CANCELREQUEST']._serialized_start=1034
+  _globals['_CANCELREQUEST']._serialized_end=1069
+  _globals['_CANCELRESPONSE']._serialized_start=1071
+  _globals['_CANCELRESPONSE']._serialized_end=1106
+  _globals['_LISTMODELSREQUEST']._serialized_start=1108
+  _globals['_LISTMODELSREQUEST']._serialized_end=1127
+  _globals['_MODELINFO']._serialized_start=1129
+  _globals['_MODELINFO']._serialized_end=1212
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1214
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1275
+  _globals['_INFERENCE']._serialized_start=1526
+  _globals['_INFERENCE']._serialized_end=1831
 # @@protoc_insertion_point(module_scope)

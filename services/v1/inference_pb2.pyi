@@ -83,7 +83,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("request_id", "seq", "text", "token_count", "finish_reason", "usage", "model", "migrations")
+    __slots__ = ("request_id", "seq", "text", "token_count", "finish_reason", "usage", "model", "migrations", "timing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class GenerateChunk(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     text: str
@@ -100,7 +101,18 @@ class GenerateChunk(_message.Message):
     usage: Usage
     model: str
     migrations: int
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., token_count: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., migrations: _Optional[int] = ...) -> None: ...
+    timing: Timing
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., token_count: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., migrations: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queue_ms", "engine_ttft_ms", "router_ttft_ms")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    engine_ttft_ms: float
+    router_ttft_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., engine_ttft_ms: _Optional[float] = ..., router_ttft_ms: _Optional[float] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("request_id", "after_seq")

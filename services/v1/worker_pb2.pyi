@@ -68,12 +68,14 @@ class AttachRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("text", "token_count")
+    __slots__ = ("text", "token_count", "engine_ttft_ms")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_count: int
-    def __init__(self, text: _Optional[str] = ..., token_count: _Optional[int] = ...) -> None: ...
+    engine_ttft_ms: float
+    def __init__(self, text: _Optional[str] = ..., token_count: _Optional[int] = ..., engine_ttft_ms: _Optional[float] = ...) -> None: ...
 
 class GenerationEnd(_message.Message):
     __slots__ = ("finish_reason", "usage", "token_count")

@@ -232,13 +232,14 @@ class Registry:
             async for event in record.generation:
                 if isinstance(event, Delta):
                     now = time.monotonic()
+                    chunk = worker_pb2.TokenChunk(text=event.text, token_count=event.tokens)
                     if record.total == 0:
                         self._on_token_timing(record, now - last, None)
+                        chunk.engine_ttft_ms = (now - last) * 1000
                     else:
                         self._on_token_timing(record, None, (now - last) / max(event.tokens, 1))
                     last = now
                     record.tokens += event.tokens
-                    chunk = worker_pb2.TokenChunk(text=event.text, token_count=event.tokens)
                     record.append(worker_pb2.WorkerEvent(chunk=chunk))
                     continue
                 if event.reason == "cancelled" and record.shed_reason:

@@ -32,6 +32,9 @@ def test_bench_compare_finds_the_tritons_through_the_mesh(mesh: MeshHandle, tmp_
         assert summary["ttft_s"]["p50"] > 0 and summary["itl_s"]["p50"] > 0
     ratios = document["mesh_over_direct"]
     assert ratios["output_tokens_per_s_ratio"] > 0 and ratios["ttft_p50_ratio"] > 0
+    assert len(ratios["ttft_p50_overhead_by_block_ms"]) == 2
+    # The mesh's own account: it added something, less than the whole TTFT.
+    assert 0 < ratios["ttft_added_p50_ms"] < document["summaries"]["mesh"]["ttft_s"]["p50"] * 1000
     assert "mesh / direct Triton" in out.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "tokenmesh", "bench", "--target", "triton", "--model", "nope",

@@ -47,6 +47,10 @@ def test_grpcurl_generate_streams_paris_with_seq_and_final_chunk(mesh: MeshHandl
     assert final["finish_reason"] == "FINISH_REASON_STOP"
     assert final["usage"]["prompt_tokens"] > 0
     assert final["usage"]["completion_tokens"] == sum(c.get("token_count", 0) for c in chunks)
+    # Where the first token's time went: the engine's part inside the router's, both measured.
+    timing = final["timing"]
+    assert 0 < timing["engine_ttft_ms"] < timing["router_ttft_ms"] and timing["queue_ms"] >= 0
+    assert all("timing" not in c for c in chunks[:-1])
 
 
 def test_eight_sequential_generations_use_both_workers(mesh: MeshHandle) -> None:

@@ -31,6 +31,31 @@ def test_per_request_definitions() -> None:
     assert r.tokens_per_s == pytest.approx(4 / 1.1)
     single = result(0.0, [(0.2, 1)], ended=0.3)
     assert single.tpot is None and single.itls == []
+    assert r.ttft_added is None  # the target did not report the engine's TTFT
+    r.engine_ttft = 0.45  # the mesh says the engine took 450 ms of the 500
+    assert r.ttft_added == pytest.approx(0.05)
+
+
+def test_compare_overheads_per_block_and_as_the_mesh_reports_them() -> None:
+    def block(ttfts: list[float], engine: float | None = None) -> list[RequestResult]:
+        runs = [result(0.0, [(t, 1)], ended=t + 0.1) for t in ttfts]
+        for r in runs:
+            r.engine_ttft = engine
+        return runs
+
+    mesh = [block([1.0, 1.2, 1.4], engine=0.99), block([2.0, 2.2, 2.4], engine=1.995)]
+    direct = [block([1.1, 1.2, 1.3]), block([2.1, 2.15, 2.2])]
+    from tokenmesh.bench import report
+
+    values = report.ratios(metrics.summarize([r for b in mesh for r in b]),
+                           metrics.summarize([r for b in direct for r in b]), mesh, direct)
+    # Block p50s: mesh 1.2 vs 1.2, then 2.2 vs 2.15.
+    assert values["ttft_p50_overhead_by_block_ms"] == pytest.approx([0.0, 50.0])
+    # What the mesh added by its own report: 1.0-0.99 ... 2.4-1.995; p50 of the six.
+    added = sorted([0.01, 0.21, 0.41, 0.005, 0.205, 0.405])
+    assert values["ttft_added_p50_ms"] == pytest.approx(metrics.percentile(added, 50) * 1000)
+    text = report.ratio_table(values)
+    assert "+0.0 +50.0" in text and "TTFT added by the mesh" in text
 
 
 def test_run_definitions_throughput_goodput_interruptions_and_variance() -> None:
@@ -136,6 +161,9 @@ async def test_bench_against_a_mesh_counts_every_token_and_writes_json(tmp_path)
     assert summary["interruption_rate"] == 0 and summary["errors"] == {}
     assert summary["goodput_requests_per_s"] == pytest.approx(summary["requests_per_s"])
     assert "TTFT (ms)" in out.stdout and "interruption rate" in out.stdout
+    # The mesh reports the engine's TTFT on each final chunk: what it added is positive and below the TTFT.
+    assert 0 < summary["ttft_added_s"]["p50"] < summary["ttft_s"]["p50"]
+    assert "TTFT added by mesh (ms)" in out.stdout
     assert plot.stat().st_size > 10_000 and plot.read_bytes().startswith(b"\x89PNG")
     assert unknown.returncode == 2 and "model 'nope' is not served by the mesh" in unknown.stderr
 
