@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "per stream, for measuring the mesh itself")
     up.add_argument("--router-processes", type=int, default=1,
                     help="router processes sharing its port with SO_REUSEPORT (default 1)")
+    up.add_argument("--triton-nice", type=int, default=19,
+                    help="niceness of every Triton and its model (default 19): the CPU engine yields the cores at "
+                         "once to the router and workers relaying tokens (0 = same priority)")
     up.add_argument("--log-dir", default="", help="write each service's log to LOG_DIR/<name>.log (default: stderr)")
 
     gen = sub.add_parser("generate", help="stream a generation to stdout")
@@ -132,7 +135,7 @@ def _up(args: argparse.Namespace) -> int:
     repository = "" if args.model == "smollm2" else str(SHIPPED_REPOSITORIES[args.model])
     mesh = Mesh(MeshConfig(workers=args.workers, host=args.host, port=args.port, threads=args.threads,
                            slots=args.slots, log_dir=args.log_dir, model_repository=repository,
-                           router_processes=args.router_processes))
+                           router_processes=args.router_processes, triton_nice=args.triton_nice))
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     engine = "SmolLM2" if args.model == "smollm2" else "the synthetic model"

@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 # Runs in the child: ask the kernel for SIGKILL when the parent dies (even by
-# SIGKILL), give up if it already has, then become the real program (same PID).
+# SIGKILL), give up if it already has, take the niceness asked for, then become
+# the real program (same PID; every thread it starts inherits the niceness).
 # A trampoline rather than preexec_fn: forking a process that has gRPC threads
 # and running Python in the child before exec crashed tritonserver at start
 # ("epoll_wait error: Bad file descriptor") in about one start out of four.
@@ -15,13 +16,14 @@ _TRAMPOLINE = (
     "import ctypes, os, signal, sys\n"
     "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)\n"  # 1 = PR_SET_PDEATHSIG
     "os.getppid() == int(sys.argv[1]) or os._exit(70)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "os.nice(int(sys.argv[2]))\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
 )
 
 
-def dies_with_parent(argv: list[str]) -> list[str]:
-    """Argv wrapped so the program gets SIGKILL when this process dies."""
-    return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *argv]
+def dies_with_parent(argv: list[str], nice: int = 0) -> list[str]:
+    """Argv wrapped so the program gets SIGKILL when this process dies (and runs ``nice`` lower)."""
+    return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), str(nice), *argv]
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> int:

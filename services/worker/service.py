@@ -51,6 +51,8 @@ class WorkerConfig:
     cpus: str = setting("", "CPUs to pin the worker and its Triton to, e.g. '0-3' or '0,2'; empty = no pinning")
     threads: int = setting(0, "llama.cpp threads per model (config.pbtxt n_threads); 0 keeps the model's value")
     slots: int = setting(0, "concurrent generations per model (config.pbtxt n_parallel); 0 keeps the model's value")
+    triton_nice: int = setting(0, "niceness (0-19) of the Triton we start and its models; where the engine shares "
+                                  "CPUs with the mesh, a high value lets every relayed token preempt it at once")
     work_dir: str = setting("", "folder for Triton's files and log; empty = a new temporary folder")
     resume_grace_s: float = setting(30.0, "how long a generation whose stream dropped is kept (running) for Resume")
     replay_buffer_bytes: int = setting(1024 * 1024, "per-generation replay buffer; a reader further behind fails")
@@ -63,6 +65,7 @@ class WorkerConfig:
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         check(self.slots >= 0, f"slots must be >= 0, got {self.slots}")
+        check(0 <= self.triton_nice <= 19, f"triton_nice must be 0..19, got {self.triton_nice}")
         check(0 < self.memory_threshold <= 1, f"memory_threshold must be in (0, 1], got {self.memory_threshold}")
         check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         check(self.resume_grace_s > 0, f"resume_grace_s must be > 0, got {self.resume_grace_s}")
@@ -412,6 +415,7 @@ class Worker(Service):
             model_repository=Path(cfg.model_repository) if cfg.model_repository else DEFAULT_MODEL_REPOSITORY,
             model_parameters=tuple(overrides),
             cuda_visible_devices=cfg.devices or None,
+            nice=cfg.triton_nice,
         )
         return TritonBackend(TritonBackendConfig(process=process))
 

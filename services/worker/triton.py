@@ -105,6 +105,8 @@ class TritonProcessConfig:
     """CUDA_VISIBLE_DEVICES for Triton; None inherits ours."""
     host: str = "127.0.0.1"
     """Address Triton listens on."""
+    nice: int = 0
+    """Niceness added to Triton and its models (the worker's own is unchanged)."""
     start_timeout_s: float = 180.0
     """How long to wait for every model to be READY."""
 
@@ -199,7 +201,7 @@ class TritonProcess:
         self._log_start = log_file.tell()
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *dies_with_parent(args),  # Triton must not outlive its worker, even a SIGKILLed one
+                *dies_with_parent(args, cfg.nice),  # Triton must not outlive its worker, even a SIGKILLed one
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
                 stdin=asyncio.subprocess.DEVNULL,

@@ -111,6 +111,19 @@ def test_bad_input_is_refused_precisely_while_a_stream_runs(mesh: MeshHandle) ->
     wait_idle(mesh, timeout=3)
 
 
+def test_engines_run_niced_below_the_relays(mesh: MeshHandle) -> None:
+    def nice(pid: int) -> int:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[16])
+
+    for worker in mesh.mesh.workers:
+        triton_tree = descendants(int(worker.info["triton_pid"]))
+        assert len(triton_tree) >= 2  # tritonserver and its model's Python stub (llama.cpp runs there)
+        assert [nice(pid) for pid in triton_tree] == [19] * len(triton_tree)
+        assert nice(worker.proc.pid) == 0
+    assert mesh.mesh.router is not None and nice(mesh.mesh.router.proc.pid) == 0
+
+
 def test_caller_cancel_stops_the_triton_request(mesh: MeshHandle) -> None:
     call = mesh.inference.Generate(
         inference_pb2.GenerateRequest(prompt="Tell me a very long story.", max_tokens=1500, ignore_eos=True),
