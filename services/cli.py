@@ -57,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "per stream, for measuring the mesh itself")
     up.add_argument("--router-processes", type=int, default=1,
                     help="router processes sharing its port with SO_REUSEPORT (default 1)")
-    up.add_argument("--triton-nice", type=int, default=19,
-                    help="niceness of every Triton and its model (default 19): the CPU engine yields the cores at "
-                         "once to the router and workers relaying tokens (0 = same priority)")
+    up.add_argument("--triton-nice", type=int, default=None,
+                    help="niceness (0-19) of every Triton and its model (default: 19 for smollm2, so that llama.cpp "
+                         "yields the cores at once to the router and workers relaying its tokens; 0 for synthetic, "
+                         "whose per-token work is like theirs)")
     up.add_argument("--log-dir", default="", help="write each service's log to LOG_DIR/<name>.log (default: stderr)")
 
     gen = sub.add_parser("generate", help="stream a generation to stdout")

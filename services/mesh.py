@@ -41,11 +41,14 @@ class MeshConfig:
     """Triton model repository for every worker; empty = the shipped SmolLM2 model."""
     router_processes: int = 1
     """Router processes sharing its port (``tokenmesh router --processes``)."""
-    triton_nice: int = 19
-    """Niceness of every worker's Triton and model. Here the engine computes on the same cores as the
-    processes that relay its tokens; at equal priority each relayed token waited for the scheduler to
-    preempt llama.cpp (TTFT under load +10.7 ms from the engine's first token to the caller, p50; +3.2 ms
-    niced)."""
+    triton_nice: int | None = None
+    """Niceness of every worker's Triton and model; None: 19 for the shipped SmolLM2, 0 for any other repository.
+
+    SmolLM2's llama.cpp computes on the same cores as the processes that relay its tokens; at equal
+    priority each relayed token waited for the scheduler to preempt it (SmolLM2, 8 streams: engine's first
+    token -> caller p50 10.7 ms, 3.2 ms niced). The synthetic model is the opposite: its per-token work is
+    Python, like the relays'; niced, it starved at 24k tokens/s (router_cost.py: mesh 14.3k tokens/s vs 22.4k).
+    """
     log_dir: str = ""
     """Write each service's log to <log_dir>/<name>.log; empty = our stderr."""
     start_timeout_s: float = 240.0
@@ -58,7 +61,15 @@ class MeshConfig:
         check(1 <= self.workers <= 64, f"workers must be 1..64, got {self.workers}")
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
-        check(0 <= self.triton_nice <= 19, f"triton_nice must be 0..19, got {self.triton_nice}")
+        check(self.triton_nice is None or 0 <= self.triton_nice <= 19,
+              f"triton_nice must be 0..19, got {self.triton_nice}")
+
+    @property
+    def engine_nice(self) -> int:
+        """The niceness the workers give their Triton."""
+        if self.triton_nice is not None:
+            return self.triton_nice
+        return 0 if self.model_repository else 19
 
 
 @dataclass
@@ -160,7 +171,7 @@ class Mesh:
             for i in range(cfg.workers):
                 args = ["--host", cfg.host, "--port", "0", "--threads", str(self.threads_per_worker),
                         "--work-dir", str(self.run_dir / f"worker-{i}"),
-                        "--cpus", ",".join(map(str, self.cpus_of(i))), "--triton-nice", str(cfg.triton_nice)]
+                        "--cpus", ",".join(map(str, self.cpus_of(i))), "--triton-nice", str(cfg.engine_nice)]
                 if cfg.slots:
                     args += ["--slots", str(cfg.slots)]
                 if cfg.model_repository:

@@ -8,6 +8,7 @@ import pytest
 
 from tokenmesh.config import ConfigError, add_arguments, from_namespace
 from tokenmesh.errors import classify_backend_message
+from tokenmesh.mesh import MeshConfig
 from tokenmesh.router.service import RouterConfig
 from tokenmesh.v1 import worker_pb2
 from tokenmesh.worker.service import WorkerConfig
@@ -55,11 +56,19 @@ def test_flags_override_env_which_overrides_defaults(monkeypatch) -> None:
         (RouterConfig, {"default_max_tokens": 0}, "default_max_tokens"),
         (WorkerConfig, {"threads": -1}, "threads must be >= 0"),
         (WorkerConfig, {"model_repository": "/does/not/exist"}, "is not a folder"),
+        (WorkerConfig, {"triton_nice": 20}, "triton_nice must be 0..19"),
+        (MeshConfig, {"triton_nice": -1}, "triton_nice must be 0..19"),
     ],
 )
 def test_invalid_settings_say_what_to_change(cls, kwargs, needle) -> None:
     with pytest.raises(ConfigError, match=needle):
         cls(**kwargs)
+
+
+def test_the_embedded_mesh_nices_only_a_computing_engine() -> None:
+    assert MeshConfig().engine_nice == 19  # the shipped SmolLM2 (llama.cpp)
+    assert MeshConfig(model_repository="/any/repository").engine_nice == 0  # e.g. the synthetic model
+    assert MeshConfig(model_repository="/any/repository", triton_nice=5).engine_nice == 5
 
 
 def test_bad_env_value_is_a_config_error(monkeypatch) -> None:
