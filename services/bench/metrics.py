@@ -16,7 +16,9 @@ Per request (times on one monotonic clock, from the moment the request is sent):
   TTFT that the mesh reports on the final chunk (``timing.engine_ttft_ms``:
   from the worker sending the request to Triton to Triton's first text). What
   the network, router and worker added, measured in the same requests, free of
-  the engine's run-to-run noise.
+  the engine's run-to-run noise. Of it, **inside the mesh** is the router's
+  own ``timing.router_ttft_ms`` minus ``engine_ttft_ms`` (router and worker
+  hops; the rest is the network to the router and the client itself).
 
 Per run (over the measured requests, warm-up excluded); *duration* runs from
 the first request sent to the last stream ended:
@@ -64,6 +66,8 @@ class RequestResult:
     """gRPC status code name of the error it ended in; SEQ_GAP for a seq gap; None when it succeeded."""
     engine_ttft: float | None = None
     """The engine's own TTFT in seconds, when the target reports it (the mesh's final chunk timing)."""
+    router_ttft: float | None = None
+    """Seconds from the router receiving the request to it sending the first chunk (mesh target only)."""
 
     @property
     def ok(self) -> bool:
@@ -80,6 +84,13 @@ class RequestResult:
         """Seconds the target added to the engine's TTFT (None unless it reports the engine's)."""
         ttft = self.ttft
         return ttft - self.engine_ttft if ttft is not None and self.engine_ttft is not None else None
+
+    @property
+    def ttft_inside(self) -> float | None:
+        """Seconds the router and worker added to the engine's TTFT, by the router's clock."""
+        if self.router_ttft is None or self.engine_ttft is None:
+            return None
+        return self.router_ttft - self.engine_ttft
 
     @property
     def e2e(self) -> float | None:
@@ -186,6 +197,7 @@ def summarize(results: Sequence[RequestResult], slo: dict[str, float] | None = N
         "errors": dict(sorted(errors.items())),
         "ttft_s": distribution([r.ttft for r in ok if r.ttft is not None]),
         "ttft_added_s": distribution([a for r in ok if (a := r.ttft_added) is not None]),
+        "ttft_inside_s": distribution([a for r in ok if (a := r.ttft_inside) is not None]),
         "tpot_s": distribution([t for r in ok if (t := r.tpot) is not None]),
         "itl_s": distribution([gap for r in ok for gap in r.itls]),
         "e2e_s": distribution([e for r in ok if (e := r.e2e) is not None]),

@@ -119,6 +119,8 @@ class MeshTarget(Target):
                     result.ended = now
                     if chunk.timing.HasField("engine_ttft_ms"):
                         result.engine_ttft = chunk.timing.engine_ttft_ms / 1000
+                    if chunk.timing.HasField("router_ttft_ms"):
+                        result.router_ttft = chunk.timing.router_ttft_ms / 1000
                     if chunk.finish_reason == inference_pb2.FINISH_REASON_ERROR:
                         result.error = "FINISH_REASON_ERROR"
             if result.ended is None:

@@ -33,7 +33,9 @@ def test_per_request_definitions() -> None:
     assert single.tpot is None and single.itls == []
     assert r.ttft_added is None  # the target did not report the engine's TTFT
     r.engine_ttft = 0.45  # the mesh says the engine took 450 ms of the 500
-    assert r.ttft_added == pytest.approx(0.05)
+    assert r.ttft_added == pytest.approx(0.05) and r.ttft_inside is None
+    r.router_ttft = 0.48  # ... and the router had its first chunk 480 ms after the request reached it
+    assert r.ttft_inside == pytest.approx(0.03)
 
 
 def test_compare_overheads_per_block_and_as_the_mesh_reports_them() -> None:
@@ -163,7 +165,8 @@ async def test_bench_against_a_mesh_counts_every_token_and_writes_json(tmp_path)
     assert "TTFT (ms)" in out.stdout and "interruption rate" in out.stdout
     # The mesh reports the engine's TTFT on each final chunk: what it added is positive and below the TTFT.
     assert 0 < summary["ttft_added_s"]["p50"] < summary["ttft_s"]["p50"]
-    assert "TTFT added by mesh (ms)" in out.stdout
+    assert 0 < summary["ttft_inside_s"]["p50"] < summary["ttft_added_s"]["p50"]
+    assert "TTFT added by mesh (ms)" in out.stdout and "of it inside (ms)" in out.stdout
     assert plot.stat().st_size > 10_000 and plot.read_bytes().startswith(b"\x89PNG")
     assert unknown.returncode == 2 and "model 'nope' is not served by the mesh" in unknown.stderr
 
