@@ -197,6 +197,7 @@ class Router(Service):
             self.peers.unregister()
             await self.peers.close()
         await self.host.stop(grace=self.config.drain_grace_s, busy=lambda: bool(self.inference.live))
+        self.inference.close_spares()
         for task in [*self._watchers.values(), self._adder, self._dispatcher]:
             if task is not None:
                 task.cancel()

@@ -264,7 +264,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             seed=req.seed if req.HasField("seed") else None,
             ignore_eos=req.ignore_eos,
             request_id=req.request_id,
-            timeout_s=context.time_remaining(),
+            timeout_s=first.timeout_s if first.HasField("timeout_s") else context.time_remaining(),
             labels=dict(req.labels),
         )
         queued = self.in_flight >= self.slots()

@@ -176,3 +176,26 @@ async def test_deadline_travels_to_the_worker(mesh: InProcessMesh) -> None:
     assert started[0].params.timeout_s is not None and 0 < started[0].params.timeout_s <= 0.35
     await asyncio.wait_for(started[0].cancelled.wait(), 2)
     await wait_until(lambda: all(w.servicer.in_flight == 0 for w in mesh.workers))
+
+
+async def test_worker_calls_are_opened_ahead_and_carry_the_callers_deadline(mesh: InProcessMesh) -> None:
+    timeouts: list[float | None] = []
+    for backend in mesh.backends:
+        def recording(params, original=backend.generate):  # type: ignore[no-untyped-def]
+            timeouts.append(params.timeout_s)
+            return original(params)
+        backend.generate = recording  # type: ignore[method-assign]
+    request = inference_pb2.GenerateRequest(prompt="hello", max_tokens=2)
+    assert [c.seq async for c in mesh.inference.Generate(request, timeout=30)] == [1, 2, 3]
+    # The call to the worker was opened before the caller came (no deadline of its own):
+    # the caller's deadline reaches the engine through the start command.
+    assert timeouts[0] is not None and 25 < timeouts[0] <= 30
+    spares = mesh.router.inference._spares
+    assert len(spares) == 1  # for the worker that ran it, opened once its start was sent
+    first = next(iter(spares.values()))
+    assert not first.done()
+    for _ in range(4):  # spread over both workers
+        await collect(mesh, prompt="hello", max_tokens=2)
+    assert timeouts[1:] == [None] * 4  # no deadline: none for the engine either
+    # That spare carried a later generation and is done; each worker has a new one open.
+    assert first.done() and len(spares) == 2 and not any(c.done() or c is first for c in spares.values())
