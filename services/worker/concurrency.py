@@ -24,7 +24,6 @@ AIMD on time to first token against the worker's unloaded baseline:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -61,14 +60,8 @@ class AdaptiveLimit:
 
     @property
     def value(self) -> int:
-        """The limit from latency alone: the estimate rounded to the nearest slot.
-
-        Not truncated: at the maximum, one window slightly over the tolerance
-        (estimate 4 -> 3.9) would take a whole slot away, and the generation that
-        then waits in the router for a slot to free loses seconds (seen with
-        SmolLM2: TTFT p99 11 s against 3.5 s direct).
-        """
-        return math.floor(self._estimate + 0.5)
+        """The limit from latency alone."""
+        return int(self._estimate)
 
     def sample(self, ttft_ms: float, queued: bool) -> None:
         """Record one generation's TTFT; ``queued``: it started with every engine slot busy."""
