@@ -4,8 +4,9 @@
 nvidia-pytriton wheel on loopback ports, in a per-worker folder.
 :class:`TritonBackend` forwards generations to a Triton (its own or one given by
 URL) as one ``ModelStreamInfer`` call each, on a decoupled model whose tensors
-follow the Triton vLLM backend contract; ``tritonclient`` serves the rest (model
-index, configs, statistics).
+follow the Triton vLLM backend contract, and reads queue statistics through the
+same generated stub; ``tritonclient`` serves the rest (model index, configs,
+readiness, loading).
 """
 
 from __future__ import annotations
