@@ -187,7 +187,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return self._stubs[address].Generate()
 
     def _open_spare(self, address: str) -> None:
-        if address not in self._spares and address in self._stubs:
+        if address not in self._spares:  # stubs are never removed: the address has one
             self._spares[address] = self._stubs[address].Generate()
 
     def close_spares(self) -> None:
