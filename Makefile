@@ -34,15 +34,15 @@ test-unit: $(STAMP) ## run the unit tests only (no Triton)
 test-integration: $(STAMP) ## run the integration tests only (real Triton, workers, prober, router)
 	$(BIN)/pytest -q $(PYTEST_ARGS) tests/integration
 
-lint: $(STAMP) ## ruff and mypy (strict) on hand-written code
+lint: $(STAMP) ## ruff, mypy (strict) and pyright (imports resolve as editors see them) on hand-written code
 	$(BIN)/ruff check services tests scripts benchmarks
-	mkdir -p build/typecheck && ln -sfn ../../services build/typecheck/tokenmesh
-	MYPYPATH=build/typecheck $(BIN)/mypy -p tokenmesh
+	$(BIN)/mypy -p tokenmesh
+	$(BIN)/pyright services tests
 
-proto: $(STAMP) ## regenerate services/v1 from protos/
+proto: $(STAMP) ## regenerate services/tokenmesh/v1 from protos/
 	$(BIN)/python scripts/gen_protos.py
 
-proto-check: $(STAMP) ## fail when services/v1 is stale
+proto-check: $(STAMP) ## fail when services/tokenmesh/v1 is stale
 	$(BIN)/python scripts/gen_protos.py --check
 
 clean: ## remove the venv and caches

@@ -1,4 +1,4 @@
-"""Regenerate the Python code for protos/ into services/v1/ (import path tokenmesh.v1).
+"""Regenerate the Python code for protos/ into services/tokenmesh/v1/ (import path tokenmesh.v1).
 
 ``--check`` regenerates into a temporary folder and fails when the committed
 code differs, so generated code is never stale or edited by hand.
@@ -18,7 +18,7 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 PROTO_DIR = PROTO_ROOT / "tokenmesh" / "v1"
-OUT_DIR = ROOT / "services" / "v1"
+OUT_DIR = ROOT / "services" / "tokenmesh" / "v1"
 INIT = '"""Generated from protos/tokenmesh/v1 by scripts/gen_protos.py. Do not edit."""\n'
 
 
@@ -49,7 +49,7 @@ def generate(dest: Path) -> None:
 def main() -> int:
     """Regenerate, or with --check compare against the committed code."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="fail when services/v1 is stale")
+    parser.add_argument("--check", action="store_true", help="fail when services/tokenmesh/v1 is stale")
     args = parser.parse_args()
     if not args.check:
         generate(OUT_DIR)
@@ -59,7 +59,7 @@ def main() -> int:
         cmp = filecmp.dircmp(tmp, OUT_DIR, ignore=["__pycache__"])
         stale = cmp.diff_files + cmp.left_only + cmp.right_only
         if stale:
-            print(f"services/v1 is stale ({', '.join(sorted(stale))}): run `make proto`", file=sys.stderr)  # noqa: T201
+            print(f"services/tokenmesh/v1 is stale ({', '.join(sorted(stale))}): run `make proto`", file=sys.stderr)  # noqa: T201
             return 1
     return 0
 
