@@ -1,0 +1,184 @@
+"""The mesh's one retry and reconnect policy (on tenacity).
+
+Only transient failures are retried: ``UNAVAILABLE`` (a peer restarting, a
+connection refused or cut), ``RESOURCE_EXHAUSTED`` when the server put a
+``retry-after-ms`` hint in the trailers (then the wait is at least the hint),
+and the errors our own code raises for a peer that did not answer in time or
+ended a stream that should stay open (:class:`TimeoutError`,
+:class:`ConnectionError`). Anything else (UNIMPLEMENTED: the address is some
+other service; PERMISSION_DENIED, UNAUTHENTICATED: credentials;
+INVALID_ARGUMENT: our own bug) is raised at once, so a wrong address fails
+loudly instead of spinning.
+
+The wait before attempt n is "full jitter": uniform in [0, min(max_s,
+initial_s * 2**n)], so peers that lost the same server do not come back in
+lockstep. Failures are counted per :class:`Reconnect`; a long-lived stream
+calls :meth:`Reconnect.connected` once it works, which starts the count (and
+the backoff) afresh. After ``warn_after`` consecutive failures a WARNING names
+what and where, and again each time the count doubles.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+import tenacity
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RETRY_AFTER = "retry-after-ms"
+"""Trailer in which a server says how long to wait before retrying (RESOURCE_EXHAUSTED)."""
+
+TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+"""Status codes that say "the same call may succeed later" (RESOURCE_EXHAUSTED only with a hint)."""
+
+
+class StreamEnded(ConnectionError):
+    """A stream that should stay open ended without an error (the peer closed it): reconnect."""
+
+
+def retry_hint_s(exc: BaseException) -> float | None:
+    """The server's ``retry-after-ms`` hint of a RESOURCE_EXHAUSTED error, in seconds (None: no hint)."""
+    if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    for key, value in exc.trailing_metadata() or ():
+        if key == RETRY_AFTER:
+            try:
+                return max(0.0, float(value) / 1000)
+            except ValueError:
+                return None
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether the same call may succeed if tried again later."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() in TRANSIENT_CODES or retry_hint_s(exc) is not None
+    return isinstance(exc, (TimeoutError, ConnectionError))
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line account of a failure for logs."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        details = (exc.details() or "").splitlines()
+        return f"{exc.code().name}: {details[0] if details else ''}".rstrip(": ")
+    return f"{type(exc).__name__}: {exc}".rstrip(": ")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backoff:
+    """How a loop waits between attempts."""
+
+    initial_s: float = 0.1
+    """Upper bound of the first wait (it doubles per consecutive failure)."""
+    max_s: float = 5.0
+    """Longest wait between two attempts."""
+    deadline_s: float | None = None
+    """Give up (raise the last error) this long after the first attempt; None: never."""
+    warn_after: int = 5
+    """Consecutive failures before a WARNING (then again each time the count doubles)."""
+
+
+RECONNECT = Backoff()
+"""Long-lived streams between services (health watches, stats, weight pushes): reconnect for ever."""
+
+
+class Reconnect:
+    """Retries one thing (a call, or a long-lived stream) against one address under a :class:`Backoff`.
+
+    Args:
+        what: what is being tried, for logs ("health watch", "weight push").
+        address: the peer's host:port, named in every warning.
+        backoff: the waits, the deadline and when to warn.
+        logger: where the warnings go (the caller's module logger).
+        loud: log a permanent failure at ERROR before raising it (off where the caller expects some,
+            e.g. NOT_FOUND from the workers that do not hold a generation).
+
+    """
+
+    what: str
+    address: str
+    backoff: Backoff
+    failures: int
+    """Consecutive failures so far (0 after :meth:`connected`)."""
+    last_error: str
+    _log: logging.Logger
+    _loud: bool
+
+    def __init__(
+        self, what: str, address: str, backoff: Backoff = RECONNECT, logger: logging.Logger = log, *, loud: bool = True
+    ) -> None:
+        self.what = what
+        self.address = address
+        self.backoff = backoff
+        self.failures = 0
+        self.last_error = ""
+        self._log = logger
+        self._loud = loud
+
+    def connected(self) -> None:
+        """The attempt works (a stream is open and answering): count failures afresh."""
+        if self.failures >= self.backoff.warn_after:
+            self._log.info("%s to %s works again after %d failures", self.what, self.address, self.failures)
+        self.failures = 0
+
+    def _wait(self, state: tenacity.RetryCallState) -> float:
+        b = self.backoff
+        wait = random.uniform(0, min(b.max_s, b.initial_s * 2 ** min(self.failures - 1, 30)))  # noqa: S311
+        exc = state.outcome.exception() if state.outcome is not None else None
+        hint = retry_hint_s(exc) if exc is not None else None
+        return max(wait, min(hint, b.max_s)) if hint is not None else wait
+
+    def _failed(self, state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        self.failures += 1
+        self.last_error = describe(exc) if exc is not None else "?"
+        n, warn = self.failures, self.backoff.warn_after
+        if n >= warn and (n & (n - 1) == 0 or n == warn):  # at warn_after, then at each power of two
+            self._log.warning("%s to %s failed %d times in a row (last: %s); still retrying",
+                              self.what, self.address, n, self.last_error)
+        else:
+            self._log.debug("%s to %s failed (%s); retrying", self.what, self.address, self.last_error)
+
+    async def run(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Call ``attempt`` until it returns; retry transient failures; raise anything else at once.
+
+        A permanent failure (and the last transient one once the deadline has
+        passed) is logged at ERROR with the address, then raised.
+        """
+        b = self.backoff
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(is_transient),
+            wait=self._wait,
+            stop=tenacity.stop_after_delay(b.deadline_s) if b.deadline_s is not None else tenacity.stop_never,
+            after=self._failed,
+            reraise=True,
+        )
+        try:
+            return await retrying(attempt)
+        except Exception as exc:
+            if not self._loud and not is_transient(exc):
+                raise
+            kind = "failed permanently" if not is_transient(exc) else f"still failing after {b.deadline_s:g} s"
+            self._log.error("%s to %s %s: %s", self.what, self.address, kind, describe(exc))
+            raise
+
+
+async def retry_call(
+    what: str,
+    address: str,
+    attempt: Callable[[], Awaitable[T]],
+    backoff: Backoff,
+    logger: logging.Logger = log,
+    *,
+    loud: bool = True,
+) -> T:
+    """One call under the policy: ``Reconnect(what, address, backoff, logger, loud=loud).run(attempt)``."""
+    return await Reconnect(what, address, backoff, logger, loud=loud).run(attempt)
