@@ -16,6 +16,7 @@ import uvloop
 
 from tokenmesh.bench.command import BenchError
 from tokenmesh.config import ConfigError, add_arguments, from_namespace
+from tokenmesh.errors import MeshError, from_rpc_error
 
 DEFAULT_ADDR = "127.0.0.1:50051"
 
@@ -112,13 +113,13 @@ def _run_service(args: argparse.Namespace) -> int:
     service: Any = {"router": Router, "worker": Worker, "prober": Prober}[args.command]
     config = from_namespace(args.config_cls, args)
 
-    async def serve() -> None:
+    async def serve() -> int:
         # Built inside the loop: grpc.aio servers and channels bind to the running loop.
-        await service(config).run()
+        code: int = await service(config).run()
+        return code
 
     # uvloop: less event-loop overhead per relayed message than asyncio's own loop.
-    uvloop.run(serve())
-    return 0
+    return uvloop.run(serve())
 
 
 class _StopRequested(Exception):
@@ -248,12 +249,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return asyncio.run(bench(args))
         handler = {"generate": _generate, "status": _status, "models": _models}[args.command]
-        return asyncio.run(handler(args))
+        try:
+            return asyncio.run(handler(args))
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc  # the one client-side translation
     except (ConfigError, BenchError) as exc:
         print(f"tokenmesh {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except grpc.aio.AioRpcError as exc:
-        print(f"tokenmesh {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    except MeshError as exc:
+        print(f"tokenmesh {args.command}: {exc.grpc_code.name}: {exc.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

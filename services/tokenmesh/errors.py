@@ -84,6 +84,60 @@ class Internal(MeshError):
     """A failure inside the mesh or its backend."""
 
 
+class Cancelled(MeshError):
+    """The call was cancelled (by the caller, or by a server that stopped it)."""
+
+    grpc_code = grpc.StatusCode.CANCELLED
+    http_status = 499
+
+
+class PermissionDenied(MeshError):
+    """The caller's identity may not make this call."""
+
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+    http_status = 403
+
+
+class Unauthenticated(MeshError):
+    """The caller presented no (valid) identity."""
+
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
+
+
+class Unimplemented(MeshError):
+    """The server does not offer this method: the address is some other service, or an older version."""
+
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+    http_status = 501
+
+
+ERRORS: tuple[type[MeshError], ...] = (
+    InvalidArgument, NotFound, AlreadyExists, OutOfRange, ResourceExhausted, Unavailable, DeadlineExceeded,
+    Internal, Cancelled, PermissionDenied, Unauthenticated, Unimplemented,
+)
+"""Every error class; each gRPC code belongs to at most one."""
+
+_BY_CODE: dict[grpc.StatusCode, type[MeshError]] = {cls.grpc_code: cls for cls in ERRORS}
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError) -> MeshError:
+    """The mesh's error for a gRPC status a peer sent: the inverse of the table above.
+
+    The message is the peer's; trailers (e.g. ``retry-after-ms``) are kept.
+    Codes with no class of their own (UNKNOWN, ABORTED, DATA_LOSS...) become
+    :class:`Internal` with the code's name in the message. Raise it ``from``
+    the gRPC error so the original stays in the traceback.
+    """
+    code = error.code()
+    cls = _BY_CODE.get(code)
+    details = error.details() or code.name
+    trailers = tuple((str(k), str(v)) for k, v in (error.trailing_metadata() or ()) if isinstance(v, str))
+    if cls is None:
+        return Internal(f"{code.name}: {details}", trailers=trailers)
+    return cls(details, trailers=trailers)
+
+
 ERROR_CLASS_TO_EXCEPTION: dict[worker_pb2.ErrorClass, type[MeshError]] = {
     worker_pb2.ERROR_CLASS_INVALID_REQUEST: InvalidArgument,
     worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND: NotFound,

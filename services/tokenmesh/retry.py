@@ -147,15 +147,19 @@ class Reconnect:
         else:
             self._log.debug("%s to %s failed (%s); retrying", self.what, self.address, self.last_error)
 
-    async def run(self, attempt: Callable[[], Awaitable[T]]) -> T:
+    async def run(
+        self, attempt: Callable[[], Awaitable[T]], retry_on: Callable[[BaseException], bool] = is_transient
+    ) -> T:
         """Call ``attempt`` until it returns; retry transient failures; raise anything else at once.
 
-        A permanent failure (and the last transient one once the deadline has
-        passed) is logged at ERROR with the address, then raised.
+        ``retry_on`` widens what counts as transient for attempts whose
+        failures are not gRPC statuses (e.g. restarting an engine). A permanent
+        failure (and the last transient one once the deadline has passed) is
+        logged at ERROR with the address, then raised.
         """
         b = self.backoff
         retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception(is_transient),
+            retry=tenacity.retry_if_exception(retry_on),
             wait=self._wait,
             stop=tenacity.stop_after_delay(b.deadline_s) if b.deadline_s is not None else tenacity.stop_never,
             after=self._failed,
@@ -164,9 +168,10 @@ class Reconnect:
         try:
             return await retrying(attempt)
         except Exception as exc:
-            if not self._loud and not is_transient(exc):
+            permanent = not retry_on(exc)
+            if not self._loud and permanent:
                 raise
-            kind = "failed permanently" if not is_transient(exc) else f"still failing after {b.deadline_s:g} s"
+            kind = "failed permanently" if permanent else f"still failing after {b.deadline_s:g} s"
             self._log.error("%s to %s %s: %s", self.what, self.address, kind, describe(exc))
             raise
 

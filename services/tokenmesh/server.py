@@ -1,29 +1,23 @@
-"""What every tokenmesh gRPC server shares: health, reflection, errors, ready file."""
+"""What every tokenmesh gRPC server shares: channel options, health, reflection, errors, ready file."""
 
 from __future__ import annotations
 
-import abc
-import asyncio
 import json
 import logging
 import os
-import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer as _AsyncHealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from grpc_reflection.v1alpha._async import ReflectionServicer as _AsyncReflectionServicer
 
 from tokenmesh.errors import ErrorInterceptor
+from tokenmesh.health import LIVENESS, NOT_SERVING, SERVING, HealthServicer
 
 log = logging.getLogger(__name__)
-
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 # Long-lived streams (generations of minutes, stats, weight pushes) must survive
 # idle proxies and notice dead peers: keepalive pings every 10 s, answered
@@ -56,34 +50,6 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 
 
-class HealthServicer(_AsyncHealthServicer):  # type: ignore[misc]
-    """grpc.health.v1 with every watcher notified.
-
-    The upstream async servicer drops a service's condition when any one of its
-    watchers leaves, so the other watchers (the prober and each router watch
-    the same worker) would never hear of a later change. Here conditions live
-    as long as the servicer.
-    """
-
-    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:  # noqa: N802
-        """Stream the status now and after every change.
-
-        The write happens outside the condition's lock: a watcher whose write
-        waits (a slow or stuck client) must not hold up the other watchers or
-        ``set`` (upstream writes while holding it).
-        """
-        condition = self._server_watchers[request.service]
-        last = None
-        while True:
-            async with condition:
-                status = self._server_status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-                while status == last:
-                    await condition.wait()
-                    status = self._server_status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-            last = status
-            await context.write(health_pb2.HealthCheckResponse(status=status))
-
-
 class ReflectionServicer(_AsyncReflectionServicer):  # type: ignore[misc]
     """Server reflection that also resolves method names (``grpcurl describe pkg.Svc.Method``).
 
@@ -108,22 +74,37 @@ class ReflectionServicer(_AsyncReflectionServicer):  # type: ignore[misc]
 class ServiceHost:
     """A grpc.aio server with the error interceptor, health and reflection.
 
-    Health starts NOT_SERVING; the owner flips it with :meth:`set_serving`
-    once it can take work, and back while draining.
+    Health starts with ``liveness`` SERVING and everything else NOT_SERVING;
+    the owner calls :meth:`set_ready` once it can take work, and again (False)
+    when it drains. Only :meth:`stop` turns liveness off.
+
+    Args:
+        host: address to listen on.
+        port: port to listen on; 0 picks a free one (see :attr:`port` after start).
+        service_names: the full names of the services added to :attr:`server` (health answers for each).
+        shared_port: other processes may listen on the same port (SO_REUSEPORT; the kernel spreads
+            connections over them), and this server also listens on a private loopback port.
+
     """
 
+    server: grpc.aio.Server
+    health: HealthServicer
+    port: int
+    """The bound port (after :meth:`start`)."""
+    private_address: str
+    """With shared_port: this process's own loopback address (after :meth:`start`)."""
+    _names: list[str]
+
     def __init__(self, host: str, port: int, service_names: Iterable[str], *, shared_port: bool = False) -> None:
-        # shared_port: other processes may listen on the same port (SO_REUSEPORT; the kernel
-        # spreads connections over them), and this server also listens on a private loopback port.
         options = SERVER_OPTIONS
         if shared_port:
             options = (*(o for o in SERVER_OPTIONS if o[0] != "grpc.so_reuseport"), ("grpc.so_reuseport", 1))
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
         self._shared_port = shared_port
         self.private_address = ""
-        self.health = HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        self.health = HealthServicer(self._names)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
             ReflectionServicer([*self._names, reflection.SERVICE_NAME]), self.server
         )
@@ -137,40 +118,28 @@ class ServiceHost:
         return f"{self._host}:{self.port}"
 
     async def start(self) -> int:
-        """Bind and start; return the bound port (useful with port 0)."""
+        """Bind and start (live, not ready); return the bound port (useful with port 0)."""
         self.port = self.server.add_insecure_port(f"{self._host}:{self._requested_port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {self._host}:{self._requested_port} (in use or not permitted)")
         if self._shared_port:
             self.private_address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         await self.server.start()
-        await self.set_serving(False)
+        await self.health.set(LIVENESS, SERVING)
         return self.port
 
-    async def set_serving(self, serving: bool) -> None:
-        """Set overall and per-service health."""
-        status = SERVING if serving else NOT_SERVING
-        for name in ["", *self._names]:
-            await self.health.set(name, status)
+    async def set_ready(self, ready: bool) -> None:
+        """Readiness, overall and per-service health: SERVING when ready (liveness is left alone)."""
+        status = SERVING if ready else NOT_SERVING
+        for name in self.health.names:
+            if name != LIVENESS:
+                await self.health.set(name, status)
 
-    async def stop(self, grace: float, busy: Callable[[], bool] | None = None) -> None:
-        """NOT_SERVING, stop accepting calls, let running ones finish within grace, then end the rest.
-
-        With ``busy``, only the calls it reports (e.g. generations) are waited
-        for: long-lived streams such as weight pushes and health watches would
-        otherwise hold every stop for the whole grace period.
-        """
-        await self.set_serving(False)
-        if busy is None:
-            await self.server.stop(grace)
-            return
-        stopping = asyncio.create_task(self.server.stop(grace))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        while busy() and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        await self.server.stop(0)
-        await stopping
+    async def stop(self, grace: float) -> None:
+        """Not ready, not live; stop accepting calls; let running ones finish within grace, then end them."""
+        await self.set_ready(False)
+        await self.health.set(LIVENESS, NOT_SERVING)
+        await self.server.stop(grace)
 
 
 def write_ready_file(path: str | None, **info: Any) -> None:
@@ -181,27 +150,3 @@ def write_ready_file(path: str | None, **info: Any) -> None:
     tmp = target.with_suffix(".tmp")
     tmp.write_text(json.dumps(info))
     os.replace(tmp, target)
-
-
-class Service(abc.ABC):
-    """A service's lifecycle: start (ready when SERVING), stop (drain; idempotent), run."""
-
-    @abc.abstractmethod
-    async def start(self) -> None:
-        """Listen and become ready."""
-
-    @abc.abstractmethod
-    async def stop(self) -> None:
-        """Drain and release everything; safe to call twice."""
-
-    async def run(self) -> None:
-        """Start, serve until SIGTERM or SIGINT, then stop."""
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            await self.start()
-            await stop.wait()
-        finally:
-            await self.stop()

@@ -64,9 +64,9 @@ async def in_process_mesh(
         yield InProcessMesh(router, workers, backends, channel)
     finally:
         await channel.close()
-        await router.stop()
+        await router.shutdown()
         for w in workers:
-            await w.stop()
+            await w.shutdown()
 
 
 @pytest.fixture

@@ -163,6 +163,6 @@ async def test_router_never_sends_a_worker_more_than_its_adapted_limit(mesh: InP
         results = await asyncio.gather(*(collect(mesh, r) for r in requests))
     finally:
         watcher.cancel()
-        await prober.stop()
+        await prober.shutdown()
     assert [chunks[-1].finish_reason for chunks in results] == [inference_pb2.FINISH_REASON_LENGTH] * 10
     assert peak == 2

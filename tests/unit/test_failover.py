@@ -115,10 +115,10 @@ async def test_cut_connection_mid_stream_fails_over() -> None:
         # The worker behind the cut stops the orphaned generation (its router is gone, nobody can resume it).
         await asyncio.wait_for(on_proxy[0].cancelled.wait(), 5)
     finally:
-        await router.stop()
+        await router.shutdown()
         await proxy.stop()
         for w in workers:
-            await w.stop()
+            await w.shutdown()
 
 
 async def test_a_slow_caller_is_not_a_stalled_worker() -> None:

@@ -28,7 +28,7 @@ async def test_tables_reach_the_router_and_are_acked(mesh: InProcessMesh) -> Non
         down = mesh.workers[0]
         started = time.monotonic()
         down.servicer.serving = False
-        await down.host.set_serving(False)
+        await down.host.set_ready(False)
         await wait_until(lambda: pool.entries[down.host.address].weight == 0.0, timeout=2)
         assert time.monotonic() - started < 2
         assert pool.entries[down.host.address].state == router_pb2.WORKER_STATE_NOT_SERVING
@@ -38,7 +38,7 @@ async def test_tables_reach_the_router_and_are_acked(mesh: InProcessMesh) -> Non
         await asyncio.sleep(0.3)
         assert prober.table.version == version
     finally:
-        await prober.stop()
+        await prober.shutdown()
 
 
 async def test_gpu_memory_reading_over_the_threshold_lowers_that_workers_weight(mesh: InProcessMesh) -> None:
@@ -56,4 +56,4 @@ async def test_gpu_memory_reading_over_the_threshold_lowers_that_workers_weight(
         assert "device 0 memory 96% > 92%" in entry.reason
         assert entry.weight == 0.45  # (1 - 135/140) / (1 - 0.92), rounded
     finally:
-        await prober.stop()
+        await prober.shutdown()

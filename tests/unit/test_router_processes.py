@@ -78,10 +78,10 @@ async def test_two_router_processes_share_the_port_the_weights_and_the_limits() 
         assert served >= 2  # both processes answer tables; each counts its own generations
     finally:
         if prober is not None:
-            await prober.stop()
-        await router.stop()
+            await prober.shutdown()
+        await router.shutdown()
         for worker in workers:
-            await worker.stop()
+            await worker.shutdown()
     sibling = router._siblings[0]
     assert sibling.poll() is not None  # stopped with the first process
     await wait_until(lambda: not router.peers or not list(router.peers.directory.glob("*.addr")), timeout=2)

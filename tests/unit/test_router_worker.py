@@ -151,7 +151,7 @@ async def test_backend_failure_does_not_count_caller_errors(mesh: InProcessMesh)
 async def test_no_healthy_worker_is_unavailable(mesh: InProcessMesh) -> None:
     for w in mesh.workers:
         w.servicer.serving = False
-        await w.host.set_serving(False)
+        await w.host.set_ready(False)
     await wait_until(lambda: not any(e.healthy for e in mesh.router.pool.entries.values()))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await collect(mesh, prompt="x")

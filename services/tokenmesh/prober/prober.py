@@ -21,7 +21,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenmesh.config import check, csv, setting
-from tokenmesh.server import CHANNEL_OPTIONS, Service, ServiceHost, write_ready_file
+from tokenmesh.lifecycle import Service
+from tokenmesh.retry import Reconnect, StreamEnded
+from tokenmesh.server import CHANNEL_OPTIONS, ServiceHost, write_ready_file
 from tokenmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class ProberConfig:
     probe_timeout_s: float = setting(1.0, "a ping unanswered this long marks the worker unreachable")
     memory_threshold: float = setting(0.92, "device memory used/total above which a worker's weight falls")
     ttft_slo_ms: float = setting(2000.0, "TTFT objective: a worker averaging more gets weight x slo/ttft")
+    stop_grace_s: float = setting(0.5, "on SIGTERM, how long open calls to the prober (health watches) may take")
     ready_file: str = setting("", "write {address, pid} as JSON here once running")
 
     def __post_init__(self) -> None:
@@ -54,6 +57,7 @@ class ProberConfig:
         check(self.probe_timeout_s > 0, f"probe_timeout_s must be > 0, got {self.probe_timeout_s}")
         check(0 < self.memory_threshold < 1, f"memory_threshold must be in (0, 1), got {self.memory_threshold}")
         check(self.ttft_slo_ms > 0, f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms}")
+        check(self.stop_grace_s >= 0, f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
         for address in (*self.workers, *self.routers):
             check(":" in address, f"address {address!r} must be host:port")
 
@@ -161,9 +165,30 @@ class _RouterLink:
 
 
 class Prober(Service):
-    """Lifecycle of the prober: start, run, stop (idempotent)."""
+    """Lifecycle of the prober: start, run, shutdown (idempotent).
+
+    Every loop (health watch and stats per worker, weight push per router)
+    reconnects under :mod:`tokenmesh.retry`: a permanent status (e.g. an
+    address that answers UNIMPLEMENTED: it is not a tokenmesh worker or
+    router) stops the prober with a non-zero exit instead of retrying for ever.
+
+    Args:
+        config: the prober's settings.
+
+    """
+
+    config: ProberConfig
+    views: dict[str, WorkerView]
+    routers: dict[str, _RouterLink]
+    table: router_pb2.WeightTable
+    """The table decided last (version 0: none yet)."""
+    scoring: Scoring
+    _next_version: int
+    _changed: asyncio.Event
+    _channels: list[grpc.aio.Channel]
 
     def __init__(self, config: ProberConfig) -> None:
+        super().__init__(ServiceHost(config.host, config.port, []), drain_grace_s=0, stop_grace_s=config.stop_grace_s)
         self.config = config
         self.views = {a: WorkerView(a) for a in config.workers}
         self.routers = {a: _RouterLink(a) for a in config.routers}
@@ -175,10 +200,7 @@ class Prober(Service):
         )
         self._next_version = int(time.time() * 1000)  # grows across prober restarts
         self._changed = asyncio.Event()
-        self._channels: list[grpc.aio.Channel] = []
-        self._tasks: list[asyncio.Task[None]] = []
-        self.host = ServiceHost(config.host, config.port, [])
-        self._stopped = False
+        self._channels = []
 
     # -- watching workers ---------------------------------------------------
 
@@ -194,23 +216,28 @@ class Prober(Service):
 
     async def _watch_health(self, view: WorkerView, channel: grpc.aio.Channel) -> None:
         stub = health_pb2_grpc.HealthStub(channel)
-        while True:
+        reconnect = Reconnect("health watch", view.address, logger=log)
+
+        async def session() -> None:
             try:
                 async for update in stub.Watch(health_pb2.HealthCheckRequest(service="")):
-                    serving = update.status == health_pb2.HealthCheckResponse.SERVING
-                    self._mark(view, reachable=True, serving=serving)
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "health stream ended")
-            except grpc.aio.AioRpcError as exc:
-                self._mark(view, reachable=False, serving=False, error=f"health {exc.code().name}")
-            if self._stopped:
-                return  # stopping: a cancelled call may surface as a gRPC error, not as CancelledError
-            await asyncio.sleep(0.25)
+                    reconnect.connected()
+                    self._mark(view, reachable=True, serving=update.status == health_pb2.HealthCheckResponse.SERVING)
+                raise StreamEnded("health stream ended")
+            except (grpc.aio.AioRpcError, StreamEnded) as exc:
+                self._mark(view, reachable=False, serving=False, error=f"health {_reason(exc)}")
+                raise
+
+        await reconnect.run(session)
 
     async def _watch_stats(self, view: WorkerView, channel: grpc.aio.Channel) -> None:
         stub = worker_pb2_grpc.WorkerStub(channel)
         timeout = self.config.probe_timeout_s
+        reconnect = Reconnect("stats stream", view.address, logger=log)
         ping_id = 0
-        while True:
+
+        async def session() -> None:
+            nonlocal ping_id
             call = stub.Stats()
             try:
                 while True:
@@ -219,32 +246,34 @@ class Prober(Service):
                     await asyncio.wait_for(call.write(worker_pb2.StatsPing(ping_id=ping_id)), timeout)
                     stats = await asyncio.wait_for(call.read(), timeout)
                     if stats is grpc.aio.EOF:
-                        raise ConnectionError("stats stream ended")
-                    view.rtt_s = time.monotonic() - sent
-                    problem = nonsense(stats)
-                    if problem:
-                        if problem != view.error:
-                            log.warning("worker %s reports nonsense (%s); treating its stats as stale",
-                                        view.address, problem)
-                        view.error = problem
-                        await asyncio.sleep(self.config.interval_s)
-                        continue  # stats_at is not advanced: the weight falls to the stale floor
-                    if view.stats is not None and stats.oom_total > view.stats.oom_total:
-                        view.oom_at = time.monotonic()
-                    view.stats = stats
-                    view.stats_at = time.monotonic()
-                    # A worker that was stopped (SIGSTOP) keeps its health stream
-                    # open; an answered ping is what says it is back.
-                    self._mark(view, reachable=True)
+                        raise StreamEnded("stats stream ended")
+                    reconnect.connected()
+                    self._take(view, stats, time.monotonic() - sent)
                     await asyncio.sleep(self.config.interval_s)
             except (grpc.aio.AioRpcError, TimeoutError, ConnectionError) as exc:
-                reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
-                self._mark(view, reachable=False, error=f"stats {reason}")
+                self._mark(view, reachable=False, error=f"stats {_reason(exc)}")
+                raise
             finally:
                 call.cancel()
-            if self._stopped:
-                return  # stopping: a cancelled call may surface as a gRPC error, not as CancelledError
-            await asyncio.sleep(0.25)
+
+        await reconnect.run(session)
+
+    def _take(self, view: WorkerView, stats: worker_pb2.WorkerStats, rtt_s: float) -> None:
+        """Record one stats answer (unless it cannot be true)."""
+        view.rtt_s = rtt_s
+        problem = nonsense(stats)
+        if problem:
+            if problem != view.error:
+                log.warning("worker %s reports nonsense (%s); treating its stats as stale", view.address, problem)
+            view.error = problem
+            return  # stats_at is not advanced: the weight falls to the stale floor
+        if view.stats is not None and stats.oom_total > view.stats.oom_total:
+            view.oom_at = time.monotonic()
+        view.stats = stats
+        view.stats_at = time.monotonic()
+        # A worker that was stopped (SIGSTOP) keeps its health stream
+        # open; an answered ping is what says it is back.
+        self._mark(view, reachable=True)
 
     # -- weights ------------------------------------------------------------
 
@@ -269,6 +298,7 @@ class Prober(Service):
         return result
 
     async def _recompute(self) -> None:
+        """Decide a new table at every ping round and at once on any change; wake the pushers."""
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self.config.interval_s)
@@ -292,9 +322,11 @@ class Prober(Service):
 
     async def _push(self, link: _RouterLink, channel: grpc.aio.Channel) -> None:
         stub = router_pb2_grpc.ControlStub(channel)
-        while True:
+        reconnect = Reconnect("weight push", link.address, logger=log)
+
+        async def session() -> None:
             call = stub.PushWeights()
-            reader = asyncio.create_task(self._read_acks(link, call))
+            reader = asyncio.create_task(self._read_acks(link, call, reconnect))
             try:
                 sent = 0
                 while True:
@@ -308,53 +340,48 @@ class Prober(Service):
                     done, _ = await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
                     if reader in done:
                         waiter.cancel()
-                        reader.result()
-                        raise ConnectionError("ack stream ended")
-            except (grpc.aio.AioRpcError, ConnectionError, grpc.aio.UsageError) as exc:
+                        reader.result()  # raises the stream's error
+                        raise StreamEnded("ack stream ended")
+            except (grpc.aio.AioRpcError, ConnectionError, grpc.aio.UsageError):
                 link.connected = False
-                log.debug("push to router %s failed: %s", link.address, exc)
+                raise
             finally:
                 reader.cancel()
                 call.cancel()
-            if self._stopped:
-                return  # stopping: a cancelled call may surface as a gRPC error, not as CancelledError
-            await asyncio.sleep(0.25)
 
-    async def _read_acks(self, link: _RouterLink, call: grpc.aio.StreamStreamCall[Any, Any]) -> None:
+        await reconnect.run(session)
+
+    async def _read_acks(
+        self, link: _RouterLink, call: grpc.aio.StreamStreamCall[Any, Any], reconnect: Reconnect
+    ) -> None:
         async for ack in call:
+            reconnect.connected()
             link.connected = True
             link.acked_version = max(link.acked_version, ack.version)
 
     # -- lifecycle ------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Listen (health, reflection), start watching and pushing."""
-        await self.host.start()
+    async def _start(self) -> None:
+        """Start watching and pushing; ready once the loops run."""
         for address, view in self.views.items():
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._channels.append(channel)
-            self._tasks.append(asyncio.create_task(self._watch_health(view, channel)))
-            self._tasks.append(asyncio.create_task(self._watch_stats(view, channel)))
+            self.spawn(self._watch_health(view, channel), f"health watch {address}")
+            self.spawn(self._watch_stats(view, channel), f"stats {address}")
         for address, link in self.routers.items():
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._channels.append(channel)
-            self._tasks.append(asyncio.create_task(self._push(link, channel)))
-        self._tasks.append(asyncio.create_task(self._recompute()))
-        await self.host.set_serving(True)
+            self.spawn(self._push(link, channel), f"weight push {address}")
+        self.spawn(self._recompute(), "recompute")
+        await self.host.set_ready(True)
         log.info("prober on %s watching %d workers, pushing to %d routers", self.host.address,
                  len(self.views), len(self.routers))
         write_ready_file(self.config.ready_file, address=self.host.address, pid=os.getpid())
 
-    async def stop(self) -> None:
-        """Stop watching and pushing. Idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=5)
+    async def _close(self) -> None:
         for channel in self._channels:
             await channel.close()
-        await self.host.stop(grace=0.5)
 
+
+def _reason(exc: BaseException) -> str:
+    return exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__

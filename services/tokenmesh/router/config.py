@@ -26,6 +26,8 @@ class RouterConfig:
     queue_timeout_s: float = setting(30.0, "longest wait for a worker slot before RESOURCE_EXHAUSTED")
     aging_s: float = setting(5.0, "a waiting generation rises one priority level per this many seconds")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
+    stop_grace_s: float = setting(1.0, "after the drain, how long calls still open (weight pushes, health "
+                                       "watches) may take before they are ended")
     ready_file: str = setting("", "write {address, pid} as JSON here once SERVING")
     processes: int = setting(1, "router processes sharing the port (SO_REUSEPORT); each worker's limit is "
                                 "split among them and weight tables are passed on to all")
@@ -43,6 +45,8 @@ class RouterConfig:
         check(self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}")
         check(self.queue_timeout_s > 0, f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
         check(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}")
+        check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        check(self.stop_grace_s >= 0, f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
         check(self.default_max_tokens > 0, f"default_max_tokens must be > 0, got {self.default_max_tokens}")
         check(self.max_prompt_bytes > 0, f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         check(1 <= self.processes <= 64, f"processes must be 1..64, got {self.processes}")

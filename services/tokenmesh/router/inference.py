@@ -169,6 +169,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._admission = admission
         self._stubs = stubs
         self.live: dict[str, _Live] = {}
+        self.idle = asyncio.Event()
+        """Set while no generation or resume is being streamed by this router (the drain waits for it)."""
+        self.idle.set()
+        self.draining = False
+        """Set when the router drains: new generations and resumes get UNAVAILABLE."""
         self._background: set[asyncio.Task[None]] = set()
         self._spares: dict[str, Any] = {}
         """Per worker, a Generate call opened ahead of need (see _worker_call)."""
@@ -226,6 +231,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         """Admit, pick a worker, relay its chunks with seq 1..N; fail over when a worker fails."""
+        self._refuse_if_draining()
         model = self._validate(request)
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.live:
@@ -236,7 +242,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         base.model = model.name
         if not request.HasField("max_tokens"):
             base.max_tokens = min(self._config.default_max_tokens, model.max_context)
-        live = self.live[request_id] = _Live()
+        live = self._begin(request_id)
         progress = _Progress()
         attempts = 0
         tenant = request.labels.get("tenant", "")
@@ -285,7 +291,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 finally:
                     self._admission.release(entry, tenant)
         finally:
-            del self.live[request_id]
+            self._end(request_id)
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise Unavailable("this router is draining (shutting down); send the call to another router")
+
+    def _begin(self, request_id: str) -> _Live:
+        """Count a stream of request_id as live on this router."""
+        live = self.live[request_id] = _Live()
+        self.idle.clear()
+        return live
+
+    def _end(self, request_id: str) -> None:
+        del self.live[request_id]
+        if not self.live:
+            self.idle.set()
 
     async def _acquire(
         self,
@@ -444,7 +465,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await asyncio.sleep(0.02)
         if request_id in self.live:
             raise AlreadyExists(f"generation {request_id!r} is being streamed by this router already")
-        self.live[request_id] = _Live()  # so Generate and Cancel see it is being streamed here
+        self._refuse_if_draining()
+        self._begin(request_id)  # so Generate and Cancel see it is being streamed here
         try:
             for entry in sorted(self._pool.entries.values(), key=lambda e: not e.healthy):
                 call = self._stubs[entry.address].Attach(
@@ -480,7 +502,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 "longer ago than the resume grace period"
             )
         finally:
-            del self.live[request_id]
+            self._end(request_id)
 
     async def Cancel(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -17,13 +18,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenmesh.config import env_name
+from tokenmesh.lifecycle import Service
 from tokenmesh.process import dies_with_parent, stop_process
+from tokenmesh.retry import Reconnect, StreamEnded
 from tokenmesh.router.admission import Admission
 from tokenmesh.router.config import RouterConfig
 from tokenmesh.router.inference import InferenceServicer
 from tokenmesh.router.peers import FORWARDED, Peers
 from tokenmesh.router.pool import WorkerPool
-from tokenmesh.server import WORKER_CHANNEL_OPTIONS, Service, ServiceHost, write_ready_file
+from tokenmesh.server import WORKER_CHANNEL_OPTIONS, ServiceHost, write_ready_file
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -77,62 +80,83 @@ class ControlServicer(router_pb2_grpc.ControlServicer):
 
 
 class Router(Service):
-    """Lifecycle of one router: start, ready (SERVING), drain, stop."""
+    """Lifecycle of one router: start, ready (SERVING), drain, stop.
+
+    Draining: readiness goes NOT_SERVING, new generations and resumes get
+    UNAVAILABLE (callers retry on another router), in-flight generations may
+    finish within ``drain_grace_s``; Cancel keeps working.
+
+    Args:
+        config: the router's settings.
+
+    """
+
+    config: RouterConfig
+    pool: WorkerPool
+    peers: Peers | None
+    """The sibling processes of a router run with --processes > 1."""
+    admission: Admission
+    inference: InferenceServicer
+    _siblings: list[subprocess.Popen[bytes]]
+    _own_peers_dir: tempfile.TemporaryDirectory[str] | None
+    _channels: dict[str, grpc.aio.Channel]
+    _stubs: dict[str, worker_pb2_grpc.WorkerStub]
+    _new_workers: asyncio.Queue[str]
 
     def __init__(self, config: RouterConfig) -> None:
-        self.config = config
-        self.pool = WorkerPool(policy=config.policy, share=(config.process_index, config.processes))
-        self.peers: Peers | None = None
-        self._siblings: list[subprocess.Popen[bytes]] = []
-        self._own_peers_dir: tempfile.TemporaryDirectory[str] | None = None
-        if config.processes > 1:
-            if not config.peers_dir:
-                self._own_peers_dir = tempfile.TemporaryDirectory(prefix="tokenmesh-router-")
-            directory = Path(config.peers_dir or self._own_peers_dir.name)  # type: ignore[union-attr]
-            self.peers = Peers(directory, config.process_index, config.processes)
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
-        self._watchers: dict[str, asyncio.Task[None]] = {}
-        self._new_workers: asyncio.Queue[str] = asyncio.Queue()
-        self.admission = Admission(
-            self.pool, max_queue=config.max_queue, queue_timeout_s=config.queue_timeout_s, aging_s=config.aging_s
-        )
-        self.inference = InferenceServicer(config, self.pool, self._stubs, self.admission)
         names = [
             inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
             router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
             router_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
         ]
-        self.host = ServiceHost(config.host, config.port, names, shared_port=config.processes > 1)
-        inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, self.host.server)
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool, self.admission), self.host.server)
+        host = ServiceHost(config.host, config.port, names, shared_port=config.processes > 1)
+        super().__init__(host, drain_grace_s=config.drain_grace_s, stop_grace_s=config.stop_grace_s)
+        self.config = config
+        self.pool = WorkerPool(policy=config.policy, share=(config.process_index, config.processes))
+        self.peers = None
+        self._siblings = []
+        self._own_peers_dir = None
+        if config.processes > 1:
+            if not config.peers_dir:
+                self._own_peers_dir = tempfile.TemporaryDirectory(prefix="tokenmesh-router-")
+            directory = Path(config.peers_dir or self._own_peers_dir.name)  # type: ignore[union-attr]
+            self.peers = Peers(directory, config.process_index, config.processes)
+        self._channels = {}
+        self._stubs = {}
+        self._new_workers = asyncio.Queue()
+        self.admission = Admission(
+            self.pool, max_queue=config.max_queue, queue_timeout_s=config.queue_timeout_s, aging_s=config.aging_s
+        )
+        self.inference = InferenceServicer(config, self.pool, self._stubs, self.admission)
+        inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool, self.admission), host.server)
         control = ControlServicer(self.pool, self._new_workers, self.admission, self.peers)
-        router_pb2_grpc.add_ControlServicer_to_server(control, self.host.server)
-        self._adder: asyncio.Task[None] | None = None
-        self._dispatcher: asyncio.Task[None] | None = None
-        self._stopped = False
+        router_pb2_grpc.add_ControlServicer_to_server(control, host.server)
 
     def _watch(self, address: str) -> None:
-        if address in self._watchers:
+        if address in self._channels:
             return
         self.pool.add(address)
         channel = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
         self._channels[address] = channel
         self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
-        self._watchers[address] = asyncio.create_task(self._watch_worker(address, channel))
+        self.spawn(self._watch_worker(address, channel), f"health watch {address}")
 
     async def _watch_worker(self, address: str, channel: grpc.aio.Channel) -> None:
         """Keep entry.healthy and entry.models current from Describe and health Watch."""
         entry = self.pool.entries[address]
         stub = self._stubs[address]
         health = health_pb2_grpc.HealthStub(channel)
-        while True:
+        reconnect = Reconnect("health watch", address, logger=log)
+
+        async def session() -> None:
             try:
-                watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
-                async for update in watch:
+                async for update in health.Watch(health_pb2.HealthCheckRequest(service="")):
+                    reconnect.connected()
                     serving = update.status == health_pb2.HealthCheckResponse.SERVING
                     if serving:
-                        described = await stub.Describe(worker_pb2.DescribeRequest(), timeout=5)
+                        # A worker that does not answer in time is tried again (TimeoutError is transient).
+                        described = await asyncio.wait_for(stub.Describe(worker_pb2.DescribeRequest()), 5)
                         entry.models = {m.name: m for m in described.models}
                         entry.triton_url = described.triton_url
                         if not entry.limit or not self.pool.version:
@@ -140,28 +164,31 @@ class Router(Service):
                     entry.healthy = serving
                     if not self.pool.version:
                         entry.reason = "health SERVING" if serving else "health NOT_SERVING"
-            except grpc.aio.AioRpcError as exc:
+                raise StreamEnded("health stream ended")
+            except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
                 entry.healthy = False
                 if not self.pool.version:
-                    entry.reason = f"unreachable: {exc.code().name}"
-            await asyncio.sleep(0.5)
+                    name = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+                    entry.reason = f"unreachable: {name}"
+                raise
+
+        await reconnect.run(session)
 
     async def _add_workers(self) -> None:
         while True:
             self._watch(await self._new_workers.get())
 
-    async def start(self) -> None:
-        """Listen, start watching the configured workers, SERVING."""
-        await self.host.start()
+    async def _start(self) -> None:
+        """Start watching the configured workers, then SERVING."""
         for address in self.config.workers:
             self._watch(address)
-        self._adder = asyncio.create_task(self._add_workers())
-        self._dispatcher = asyncio.create_task(self.admission.run_dispatcher())
+        self.spawn(self._add_workers(), "worker discovery")
+        self.spawn(self.admission.run_dispatcher(), "admission dispatcher")
         if self.peers is not None:
             self.peers.register(self.host.private_address)
             if self.config.process_index == 0:
                 await self._start_siblings()
-        await self.host.set_serving(True)
+        await self.host.set_ready(True)
         log.info("router%s SERVING on %s with workers %s",
                  f" process {self.config.process_index + 1}/{self.config.processes}" if self.peers else "",
                  self.host.address, ", ".join(self.config.workers) or "-")
@@ -186,21 +213,19 @@ class Router(Service):
         except TimeoutError as exc:
             raise RuntimeError(f"router processes did not start: {exc}") from None
 
-    async def stop(self) -> None:
-        """NOT_SERVING, let in-flight generations finish within the grace period, stop. Idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
+    async def _drain(self) -> None:
+        """Refuse new generations; let in-flight ones finish within the grace period."""
         for sibling in self._siblings:
             sibling.terminate()  # each drains its own in-flight generations
         if self.peers is not None:
             self.peers.unregister()
             await self.peers.close()
-        await self.host.stop(grace=self.config.drain_grace_s, busy=lambda: bool(self.inference.live))
+        self.inference.draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.inference.idle.wait(), self.drain_grace_s)
+
+    async def _close(self) -> None:
         self.inference.close_spares()
-        for task in [*self._watchers.values(), self._adder, self._dispatcher]:
-            if task is not None:
-                task.cancel()
         for channel in self._channels.values():
             await channel.close()
         for sibling in self._siblings:

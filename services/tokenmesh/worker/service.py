@@ -17,7 +17,9 @@ import grpc
 
 from tokenmesh.config import check, setting
 from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from tokenmesh.server import Service, ServiceHost, write_ready_file
+from tokenmesh.lifecycle import Service
+from tokenmesh.retry import Backoff, Reconnect
+from tokenmesh.server import ServiceHost, write_ready_file
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker.backend import Backend, BackendError, EngineStats, GenerationParams, ModelSpec
 from tokenmesh.worker.concurrency import AdaptiveLimit
@@ -58,6 +60,10 @@ class WorkerConfig:
     replay_buffer_bytes: int = setting(1024 * 1024, "per-generation replay buffer; a reader further behind fails")
     memory_threshold: float = setting(0.92, "device memory fraction above which no generation is added")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
+    stop_grace_s: float = setting(1.0, "after the drain, how long calls still open (stats streams, health "
+                                       "watches, resumes) may take before they are ended")
+    backend_restart_timeout_s: float = setting(600.0, "a Triton that cannot be restarted within this stops the "
+                                                      "worker with a non-zero exit (its supervisor restarts it)")
     ready_file: str = setting("", "write {address, triton_url, pid, triton_pid} as JSON here once SERVING")
 
     def __post_init__(self) -> None:
@@ -68,6 +74,9 @@ class WorkerConfig:
         check(0 <= self.triton_nice <= 19, f"triton_nice must be 0..19, got {self.triton_nice}")
         check(0 < self.memory_threshold <= 1, f"memory_threshold must be in (0, 1], got {self.memory_threshold}")
         check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        check(self.stop_grace_s >= 0, f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
+        check(self.backend_restart_timeout_s > 0,
+              f"backend_restart_timeout_s must be > 0, got {self.backend_restart_timeout_s}")
         check(self.resume_grace_s > 0, f"resume_grace_s must be > 0, got {self.resume_grace_s}")
         check(self.replay_buffer_bytes >= 4096, f"replay_buffer_bytes must be >= 4096, got {self.replay_buffer_bytes}")
         if self.model_repository:
@@ -368,11 +377,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 class Worker(Service):
-    """Lifecycle of one worker: start, ready (SERVING), drain, stop."""
+    """Lifecycle of one worker: start, ready (SERVING), drain, stop.
+
+    Draining: readiness goes NOT_SERVING (routers stop sending work), new
+    generations get UNAVAILABLE, in-flight ones may finish within
+    ``drain_grace_s``; Attach (resume) and Cancel keep working meanwhile.
+
+    Args:
+        config: the worker's settings.
+        backend: the engine; None starts (or reaches) Triton as the config says.
+
+    """
+
+    config: WorkerConfig
+    backend: Backend
+    servicer: WorkerServicer
+    _tmp: tempfile.TemporaryDirectory[str] | None
 
     def __init__(self, config: WorkerConfig, backend: Backend | None = None) -> None:
+        service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+        host = ServiceHost(config.host, config.port, [service_name])
+        super().__init__(host, drain_grace_s=config.drain_grace_s, stop_grace_s=config.stop_grace_s)
         self.config = config
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._tmp = None
         self.backend = backend or self._triton_backend()
         self.servicer = WorkerServicer(
             self.backend,
@@ -382,12 +409,7 @@ class Worker(Service):
             replay_buffer_bytes=config.replay_buffer_bytes,
             memory_threshold=config.memory_threshold,
         )
-        service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-        self.host = ServiceHost(config.host, config.port, [service_name])
-        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.host.server)
-        self._stopped = False
-        self._monitor: asyncio.Task[None] | None = None
-        self._engine_poll: asyncio.Task[None] | None = None
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, host.server)
 
     def _triton_backend(self) -> Backend:
         from tokenmesh.worker.triton import (
@@ -422,19 +444,21 @@ class Worker(Service):
     async def start(self) -> None:
         """Pin CPUs, listen (NOT_SERVING), start the backend, warm up, then SERVING."""
         if self.config.cpus:
-            # Before Triton starts: it and its model inherit the CPU set.
+            # Before the server starts its threads and Triton starts: they inherit the CPU set.
             os.sched_setaffinity(0, parse_cpus(self.config.cpus))
             self.servicer.cpus = tuple(sorted(os.sched_getaffinity(0)))
             log.info("worker pinned to CPUs %s", format_cpus(self.servicer.cpus))
-        await self.host.start()
+        await super().start()
+
+    async def _start(self) -> None:
         log.info("worker listening on %s; starting backend", self.host.address)
         await self.backend.start()
         await self._warm_up()
         self.servicer.serving = True
         self.servicer.state_reason = "serving"
-        await self.host.set_serving(True)
-        self._monitor = asyncio.create_task(self._supervise_backend())
-        self._engine_poll = asyncio.create_task(self.servicer.poll_engine())
+        await self.host.set_ready(True)
+        self.spawn(self._supervise_backend(), "backend supervisor")
+        self.spawn(self.servicer.poll_engine(), "engine statistics")
         log.info("worker SERVING on %s (Triton %s)", self.host.address, self.backend.endpoint)
         write_ready_file(
             self.config.ready_file,
@@ -450,9 +474,24 @@ class Worker(Service):
         async for _ in self.backend.generate(GenerationParams(model=spec.name, prompt="Hello", max_tokens=2)):
             pass
 
+    async def _restart_backend(self) -> None:
+        """One restart attempt: the engine back and answering a probe generation."""
+        try:
+            await self.backend.restart()
+            await self._warm_up()
+        except Exception as exc:
+            self.servicer.state_reason = f"backend restart failed: {str(exc).splitlines()[0]}"
+            raise
+
     async def _supervise_backend(self) -> None:
-        """Restart the backend when it dies or loses its device; SERVING only once it answers again."""
+        """Restart the backend when it dies or loses its device; SERVING only once it answers again.
+
+        Restarts follow the retry policy (full jitter, capped at 30 s); one that
+        does not succeed within backend_restart_timeout_s raises, which stops the
+        worker with a non-zero exit.
+        """
         servicer = self.servicer
+        backoff = Backoff(initial_s=1.0, max_s=30.0, deadline_s=self.config.backend_restart_timeout_s, warn_after=1)
         while True:
             died = asyncio.create_task(self.backend.failed())
             lost = asyncio.create_task(servicer.device_lost.wait())
@@ -466,41 +505,25 @@ class Worker(Service):
             log.error("backend failed (%s); NOT_SERVING while it restarts", reason.splitlines()[0])
             servicer.serving = False
             servicer.state_reason = f"restarting backend: {reason.splitlines()[0]}"
-            await self.host.set_serving(False)
-            backoff = 1.0
-            while True:
-                try:
-                    await self.backend.restart()
-                    await self._warm_up()  # the probe generation
-                    break
-                except Exception as exc:  # noqa: BLE001 - keep trying; the state says why
-                    log.error("backend restart failed: %s; retrying in %.0f s", exc, backoff)
-                    servicer.state_reason = f"backend restart failed: {str(exc).splitlines()[0]}"
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 30.0)
+            await self.host.set_ready(False)
+            restart = Reconnect("backend restart", self.backend.endpoint or "the engine", backoff, log)
+            await restart.run(self._restart_backend, retry_on=lambda exc: isinstance(exc, Exception))
             servicer.backend_restarts += 1
             servicer.serving = True
             servicer.state_reason = "serving"
-            await self.host.set_serving(True)
+            await self.host.set_ready(True)
             log.info("backend restarted (%d so far); SERVING again on Triton %s",
                      servicer.backend_restarts, self.backend.endpoint)
 
-    async def stop(self) -> None:
-        """Drain (NOT_SERVING, finish in-flight within the grace period), then stop. Idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        for task in (self._monitor, self._engine_poll):
-            if task is not None:
-                task.cancel()
+    async def _drain(self) -> None:
+        """NOT_SERVING to routers; in-flight generations finish within the grace period."""
         self.servicer.serving = False
         self.servicer.state_reason = "draining"
-        await self.host.set_serving(False)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.servicer.idle.wait(), self.config.drain_grace_s)
-        await self.host.stop(grace=1.0)
+            await asyncio.wait_for(self.servicer.idle.wait(), self.drain_grace_s)
+
+    async def _close(self) -> None:
         await self.servicer.registry.close()
         await self.backend.stop()
         if self._tmp is not None:
             self._tmp.cleanup()
-
