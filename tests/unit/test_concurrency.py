@@ -101,32 +101,32 @@ async def test_worker_limit_follows_engine_queueing_and_reports_tritons_queue_fi
         backend.engine_slots = asyncio.Semaphore(4)
         backend.delay = 0.005
         servicer = worker.servicer
-        servicer.engine_poll_s = 0.2  # from the next read on
+        servicer.telemetry.engine_poll_s = 0.2  # from the next read on
         async with grpc.aio.insecure_channel(worker.host.address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             # Waves of 4 fit the engine's slots: the baseline, and the limit stays at the slots.
             for wave in range(4):
                 counts = await asyncio.gather(*(generate_direct(stub, f"a{wave}-{i}", 4) for i in range(4)))
                 assert counts == [4] * 4
-            assert servicer.concurrency_limit() == 4 and servicer.adaptive().baseline_ms is not None
+            assert servicer.limits.concurrency_limit(servicer.in_flight) == 4 and servicer.limits.adaptive().baseline_ms is not None
             # 16 at once (past the router): 12 wait in the engine's queue for a whole generation
             # (0.8 s: the worker reads the engine's figures every 0.2 s here).
             floods = [asyncio.create_task(generate_direct(stub, f"b{i}", 160)) for i in range(16)]
             await wait_until(lambda: backend.waiting == 12)
-            await wait_until(lambda: servicer.engine_pending == 12, timeout=2)
+            await wait_until(lambda: servicer.telemetry.engine_pending == 12, timeout=2)
             seen = await stats(mesh, 0)
             assert seen.triton_pending == 12
             assert await asyncio.gather(*floods) == [160] * 16
-            lowered = servicer.concurrency_limit()
+            lowered = servicer.limits.concurrency_limit(servicer.in_flight)
             assert lowered < 4
-            await wait_until(lambda: servicer.engine_queue_ms is not None and servicer.engine_pending == 0, timeout=2)
+            await wait_until(lambda: servicer.telemetry.engine_queue_ms is not None and servicer.telemetry.engine_pending == 0, timeout=2)
             seen = await stats(mesh, 0)
             assert seen.triton_queue_ms > 0 and seen.HasField("ttft_baseline_ms")
             assert seen.concurrency_limit == lowered
             # Unqueued again: the limit climbs back to the slots.
             for wave in range(32):  # 8 windows of 8: +0.5 each
                 await asyncio.gather(*(generate_direct(stub, f"c{wave}-{i}", 4) for i in range(2)))
-            assert servicer.concurrency_limit() == 4
+            assert servicer.limits.concurrency_limit(servicer.in_flight) == 4
         # The other worker's engine keeps no queue figures: unset, not zero.
         other = await stats(mesh, 1)
         assert not other.HasField("triton_pending") and not other.HasField("triton_queue_ms")
@@ -143,7 +143,7 @@ async def test_router_never_sends_a_worker_more_than_its_adapted_limit(mesh: InP
     for backend in mesh.backends:
         backend.delay = 0.02
     for worker in mesh.workers:
-        worker.servicer.adaptive()._estimate = 2.0  # as if TTFT had pushed it down to 2
+        worker.servicer.limits.adaptive()._estimate = 2.0  # as if TTFT had pushed it down to 2
     addresses = tuple(w.host.address for w in mesh.workers)
     prober = Prober(ProberConfig(port=0, workers=addresses, routers=(mesh.router.host.address,), interval_s=0.05))
     await prober.start()

@@ -38,7 +38,7 @@ async def test_device_oom_lowers_the_limit_and_the_request_runs_elsewhere(mesh: 
     assert s1.HasField("ttft_ms") and s1.HasField("itl_ms") and s1.itl_ms > 0
     # The lowered limit is enforced: a second generation at once is refused there.
     servicer = mesh.workers[0].servicer
-    assert servicer.admission_limit() == 1
+    assert servicer.limits.admission_limit() == 1
 
 
 async def test_shedding_after_oom_sends_waiting_work_elsewhere(mesh: InProcessMesh) -> None:

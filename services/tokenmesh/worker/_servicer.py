@@ -1,0 +1,251 @@
+"""``tokenmesh.v1.Worker``: the RPC handlers over a :class:`~tokenmesh.worker.backend.Backend`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from tokenmesh.worker._limits import Limits
+from tokenmesh.worker._telemetry import Telemetry
+from tokenmesh.worker.backend import Backend, BackendError, GenerationParams, ModelSpec
+from tokenmesh.worker.devices import DeviceReader
+from tokenmesh.worker.registry import Record, Registry
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Generate/Attach/Cancel/Stats/Describe over a :class:`Backend`.
+
+    Args:
+        backend: the engine generations go to.
+        devices: reads the worker's GPUs (None: no NVML, e.g. on CPU).
+        cuda_visible_devices: the devices the worker owns, as reported by Describe.
+        resume_grace_s: how long a generation whose stream dropped is kept for Attach.
+        replay_buffer_bytes: per-generation replay buffer.
+        memory_threshold: device memory fraction above which no generation is added.
+
+    """
+
+    registry: Registry
+    limits: Limits
+    telemetry: Telemetry
+    serving: bool
+    """Generate accepts new generations (False while starting, draining or restarting the engine)."""
+    state_reason: str
+    """Why the worker is (not) serving, for operators."""
+    in_flight: int
+    """Generations started and not settled."""
+    backend_restarts: int
+    cpus: tuple[int, ...]
+    """The CPUs the worker is pinned to (empty: not pinned)."""
+    device_lost: asyncio.Event
+    """Set when a generation failed in a way that says the device context is gone (the engine must restart)."""
+    idle: asyncio.Event
+    """Set while no generation is in flight (the drain waits for it)."""
+    _backend: Backend
+    _devices: DeviceReader | None
+    _cuda_visible_devices: str
+
+    def __init__(
+        self,
+        backend: Backend,
+        devices: DeviceReader | None,
+        cuda_visible_devices: str = "",
+        *,
+        resume_grace_s: float = 30.0,
+        replay_buffer_bytes: int = 1024 * 1024,
+        memory_threshold: float = 0.92,
+    ) -> None:
+        self._backend = backend
+        self._devices = devices
+        self._cuda_visible_devices = cuda_visible_devices
+        self.registry = Registry(resume_grace_s, replay_buffer_bytes, self._settled, self._failed, self._timing)
+        self.limits = Limits(backend, memory_threshold)
+        self.telemetry = Telemetry(backend)
+        self.serving = False
+        self.state_reason = "starting"
+        self.in_flight = 0
+        self.backend_restarts = 0
+        self.cpus = ()
+        self.device_lost = asyncio.Event()
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def _failed(self, record: Record, error: BackendError) -> None:
+        if error.error_class == worker_pb2.ERROR_CLASS_OUT_OF_MEMORY:
+            self.limits.out_of_memory(self.in_flight, self._shed_waiting)
+        elif error.error_class == worker_pb2.ERROR_CLASS_DEVICE_LOST:
+            self.device_lost.set()
+
+    def _shed_waiting(self, limit: int) -> None:
+        """Shed generations still waiting for their first token beyond limit (they run elsewhere)."""
+        waiting = [r for r in self.registry.records.values() if r.total == 0 and not r.done]
+        for victim in waiting[max(0, limit - (self.in_flight - len(waiting))):]:
+            self.registry.shed(victim, "shed: the worker ran out of device memory; run it elsewhere")
+
+    def _timing(self, record: Record, ttft_s: float | None, gap_s: float | None) -> None:
+        self.telemetry.timing(ttft_s, gap_s)
+        if ttft_s is not None:
+            self.limits.adaptive().sample(ttft_s * 1000, queued=record.queued)
+
+    def _settled(self, record: Record) -> None:
+        self.in_flight -= 1
+        self.telemetry.tokens_total += record.tokens
+        if record.events and record.events[-1].WhichOneof("event") == "end":
+            self.telemetry.served_total += 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+    def _model(self, name: str) -> ModelSpec:
+        models = self._backend.models()
+        if not models:
+            raise Unavailable("worker has no model loaded yet")
+        if not name:
+            return models[0]
+        for spec in models:
+            if spec.name == name:
+                return spec
+        raise NotFound(f"model {name!r} is not served here; served: {', '.join(m.name for m in models)}")
+
+    def _tokens_now(self) -> int:
+        """Tokens generated so far, running generations included."""
+        return self.telemetry.tokens_total + sum(r.tokens for r in self.registry.records.values() if not r.done)
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[worker_pb2.WorkerCommand], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[worker_pb2.WorkerEvent]:
+        """Start a generation and stream it; a cancel command stops it.
+
+        If this stream goes away without a cancel, the generation goes on
+        (detached) for the resume grace period; ``Attach`` picks it up.
+        """
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("command") != "start":
+            raise InvalidArgument("the first WorkerCommand must be `start` with the GenerateRequest")
+        if not self.serving:
+            raise Unavailable("worker is not serving (starting, draining, or its Triton is down)")
+        req = first.start
+        if not req.request_id:
+            raise InvalidArgument("start.request_id is required (the router assigns one)")
+        if self.in_flight >= self.limits.admission_limit():
+            lowered = " (lowered after a device out-of-memory)" if self.limits.lowered is not None else ""
+            raise ResourceExhausted(f"worker is at its limit of {self.limits.admission_limit()} generations{lowered}")
+        spec = self._model(req.model)
+        params = GenerationParams(
+            model=spec.name,
+            prompt=req.prompt,
+            messages=tuple((m.role, m.content) for m in req.messages),
+            max_tokens=req.max_tokens,
+            temperature=req.temperature if req.HasField("temperature") else None,
+            top_p=req.top_p if req.HasField("top_p") else None,
+            stop=tuple(req.stop),
+            seed=req.seed if req.HasField("seed") else None,
+            ignore_eos=req.ignore_eos,
+            request_id=req.request_id,
+            timeout_s=first.timeout_s if first.HasField("timeout_s") else context.time_remaining(),
+            labels=dict(req.labels),
+        )
+        queued = self.in_flight >= self.limits.slots()
+        self.in_flight += 1
+        self.idle.clear()
+        record = self.registry.start(req.request_id, first.first_seq or 1, first.tokens_before,
+                                     self._backend.generate(params))
+        record.queued = queued
+
+        async def watch_commands() -> None:
+            async for command in request_iterator:
+                if command.WhichOneof("command") == "cancel" and self.registry.records.get(req.request_id) is record:
+                    self.registry.cancel(req.request_id)
+                    return
+
+        watcher = asyncio.create_task(watch_commands())
+        try:
+            async for event in record.stream(record.first_seq - 1):
+                yield event
+        finally:
+            watcher.cancel()
+            if not first.resumable and self.registry.records.get(req.request_id) is record:
+                if record.done:
+                    self.registry.forget(record)  # delivered; nobody will resume it
+                else:
+                    self.registry.cancel(req.request_id)  # its caller is gone
+
+    async def Attach(  # noqa: N802 - gRPC method name
+        self, request: worker_pb2.AttachRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[worker_pb2.WorkerEvent]:
+        """Replay a held generation after after_seq, then follow it live."""
+        record = self.registry.get(request.request_id)
+        async for event in record.stream(request.after_seq):
+            yield event
+
+    async def Cancel(  # noqa: N802 - gRPC method name
+        self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> inference_pb2.CancelResponse:
+        """Stop and forget a held generation."""
+        if not self.registry.cancel(request.request_id):
+            raise NotFound(f"no generation {request.request_id!r} on this worker")
+        return inference_pb2.CancelResponse(cancelled=True)
+
+    async def Stats(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[worker_pb2.StatsPing], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[worker_pb2.WorkerStats]:
+        """Answer each ping with the worker's stats right now."""
+        t = self.telemetry
+        last_time, last_tokens = time.monotonic(), self._tokens_now()
+        async for ping in request_iterator:
+            now, tokens = time.monotonic(), self._tokens_now()
+            rate = max(0.0, (tokens - last_tokens) / (now - last_time)) if now > last_time else 0.0
+            last_time, last_tokens = now, tokens
+            if self._devices is not None:  # NVML calls block: off the event loop
+                self.limits.device_readings = await asyncio.to_thread(self._devices)
+            devices = [
+                worker_pb2.DeviceStats(
+                    index=d.index,
+                    name=d.name,
+                    memory_used_bytes=d.memory_used_bytes,
+                    memory_total_bytes=d.memory_total_bytes,
+                    utilization_percent=d.utilization_percent,
+                )
+                for d in self.limits.device_readings
+            ]
+            yield worker_pb2.WorkerStats(
+                ping_id=ping.ping_id,
+                in_flight=self.in_flight,
+                concurrency_limit=self.limits.concurrency_limit(self.in_flight),
+                serving=self.serving,
+                oom_total=self.limits.oom_total,
+                backend_restarts=self.backend_restarts,
+                state_reason=self.state_reason,
+                ttft_ms=t.ttft_ms,
+                itl_ms=t.itl_ms,
+                tokens_per_s=rate,
+                cpus=self.cpus,
+                served_total=t.served_total,
+                tokens_total=t.tokens_total,
+                devices=devices,
+                triton_url=self._backend.endpoint,
+                triton_pending=t.engine_pending,
+                triton_queue_ms=t.engine_queue_ms,
+                ttft_baseline_ms=self.limits.adaptive().baseline_ms if self._backend.models() else None,
+            )
+
+    async def Describe(  # noqa: N802 - gRPC method name
+        self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> worker_pb2.DescribeResponse:
+        """Models served, Triton endpoint and devices."""
+        models = self._backend.models()
+        return worker_pb2.DescribeResponse(
+            models=[
+                inference_pb2.ModelInfo(name=m.name, max_context=m.max_context, is_default=(i == 0), workers=1)
+                for i, m in enumerate(models)
+            ],
+            triton_url=self._backend.endpoint,
+            cuda_visible_devices=self._cuda_visible_devices,
+            triton_pid=self._backend.pid or 0,
+            concurrency_limit=self.limits.concurrency_limit(self.in_flight) if models else 0,
+        )
