@@ -29,6 +29,8 @@ from typing import TypeVar
 import grpc
 import tenacity
 
+from tokenmesh.errors import from_rpc_error
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -67,8 +69,9 @@ def is_transient(exc: BaseException) -> bool:
 def describe(exc: BaseException) -> str:
     """A one-line account of a failure for logs."""
     if isinstance(exc, grpc.aio.AioRpcError):
-        details = (exc.details() or "").splitlines()
-        return f"{exc.code().name}: {details[0] if details else ''}".rstrip(": ")
+        error = from_rpc_error(exc)
+        lines = error.message.splitlines()
+        return f"{exc.code().name}: {lines[0] if lines else ''}".rstrip(": ")
     return f"{type(exc).__name__}: {exc}".rstrip(": ")
 
 

@@ -21,8 +21,6 @@ from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.process import descendants
 from tokenmesh.v1 import inference_pb2_grpc, router_pb2, router_pb2_grpc
 
-pytestmark = pytest.mark.integration
-
 
 def grpcurl_path() -> str:
     found = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")

@@ -9,11 +9,14 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
 
 from .conftest import MeshHandle
+
+pytestmark = pytest.mark.integration
 
 
 def test_bench_compare_finds_the_tritons_through_the_mesh(mesh: MeshHandle, tmp_path: Path) -> None:

@@ -136,7 +136,18 @@ def test_caller_cancel_stops_the_triton_request(mesh: MeshHandle) -> None:
     worker = next(w for w in mesh.mesh.workers if w.address == busy[0].address)
     triton_tree = descendants(int(worker.info["triton_pid"]))
     call.cancel()
-    time.sleep(1.0)  # let the cancel travel router -> worker -> Triton -> model
+
+    def worker_in_flight() -> int:
+        with grpc.insecure_channel(worker.address) as channel:
+            ping = iter([worker_pb2.StatsPing(ping_id=1)])
+            return int(next(worker_pb2_grpc.WorkerStub(channel).Stats(ping, timeout=5)).in_flight)
+
+    # The generation settles on the worker only once Triton ended its stream: the cancel has
+    # travelled router -> worker -> Triton -> model. Then the model must be idle.
+    deadline = time.monotonic() + 10
+    while worker_in_flight() != 0:
+        assert time.monotonic() < deadline, "the worker still runs the cancelled generation after 10 s"
+        time.sleep(0.05)
     used_before = cpu_seconds(triton_tree)
     time.sleep(2.0)
     idle_share = (cpu_seconds(triton_tree) - used_before) / 2.0

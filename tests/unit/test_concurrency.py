@@ -108,7 +108,8 @@ async def test_worker_limit_follows_engine_queueing_and_reports_tritons_queue_fi
             for wave in range(4):
                 counts = await asyncio.gather(*(generate_direct(stub, f"a{wave}-{i}", 4) for i in range(4)))
                 assert counts == [4] * 4
-            assert servicer.limits.concurrency_limit(servicer.in_flight) == 4 and servicer.limits.adaptive().baseline_ms is not None
+            assert servicer.limits.concurrency_limit(servicer.in_flight) == 4
+            assert servicer.limits.adaptive().baseline_ms is not None
             # 16 at once (past the router): 12 wait in the engine's queue for a whole generation
             # (0.8 s: the worker reads the engine's figures every 0.2 s here).
             floods = [asyncio.create_task(generate_direct(stub, f"b{i}", 160)) for i in range(16)]
@@ -119,7 +120,8 @@ async def test_worker_limit_follows_engine_queueing_and_reports_tritons_queue_fi
             assert await asyncio.gather(*floods) == [160] * 16
             lowered = servicer.limits.concurrency_limit(servicer.in_flight)
             assert lowered < 4
-            await wait_until(lambda: servicer.telemetry.engine_queue_ms is not None and servicer.telemetry.engine_pending == 0, timeout=2)
+            telemetry = servicer.telemetry
+            await wait_until(lambda: telemetry.engine_queue_ms is not None and telemetry.engine_pending == 0, timeout=2)
             seen = await stats(mesh, 0)
             assert seen.triton_queue_ms > 0 and seen.HasField("ttft_baseline_ms")
             assert seen.concurrency_limit == lowered

@@ -75,3 +75,40 @@ def test_bad_env_value_is_a_config_error(monkeypatch) -> None:
     monkeypatch.setenv("TOKENMESH_ROUTER_PORT", "many")
     with pytest.raises(ConfigError, match="TOKENMESH_ROUTER_PORT"):
         parse(RouterConfig, "router", [])
+
+
+async def test_every_mesh_error_survives_the_wire_and_comes_back_as_itself() -> None:
+    """Server side the interceptor maps each class to its code; client side from_rpc_error maps it back."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tokenmesh.errors import ERRORS, ErrorInterceptor, Internal, MeshError, from_rpc_error
+
+    raised: list[MeshError] = []
+
+    class Failing(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+        async def Check(self, request, context):  # noqa: N802
+            raise raised[-1]
+
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    health_pb2_grpc.add_HealthServicer_to_server(Failing(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            assert len({cls.grpc_code for cls in ERRORS}) == len(ERRORS)  # one class per code
+            for cls in ERRORS:
+                raised.append(cls(f"what went wrong with {cls.__name__}", trailers=(("retry-after-ms", "250"),)))
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                back = from_rpc_error(caught.value)
+                assert type(back) is cls
+                assert back.message == f"what went wrong with {cls.__name__}"
+                assert ("retry-after-ms", "250") in back.trailers
+                assert back.http_status == cls.http_status
+    finally:
+        await server.stop(0)
+    unknown = from_rpc_error(grpc.aio.AioRpcError(grpc.StatusCode.DATA_LOSS, grpc.aio.Metadata(),
+                                                  grpc.aio.Metadata(), details="bits lost"))
+    assert type(unknown) is Internal and unknown.message == "DATA_LOSS: bits lost"

@@ -17,6 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from tokenmesh.bench.metrics import RequestResult
 from tokenmesh.bench.prompts import Prompt
+from tokenmesh.errors import from_rpc_error
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 
 CONNECT_TIMEOUT_S = 5.0
@@ -64,7 +65,8 @@ class MeshTarget(Target):
         try:
             listed = await self._stub.ListModels(inference_pb2.ListModelsRequest(), timeout=CONNECT_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            raise TargetError(f"cannot reach the mesh at {self.addr}: {exc.code().name}: {exc.details()}") from None
+            error = from_rpc_error(exc)
+            raise TargetError(f"cannot reach the mesh at {self.addr}: {error.grpc_code.name}: {error.message}") from exc
         names = [m.name for m in listed.models]
         if not names:
             raise TargetError(f"the mesh at {self.addr} serves no model now (no live worker); try again shortly")
@@ -81,7 +83,9 @@ class MeshTarget(Target):
             table = await router_pb2_grpc.RouterStub(self._channel).GetRoutingTable(
                 router_pb2.GetRoutingTableRequest(), timeout=CONNECT_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            raise TargetError(f"cannot read the routing table at {self.addr}: {exc.details()}") from None
+            error = from_rpc_error(exc)
+            raise TargetError(f"cannot read the routing table at {self.addr}: {error.grpc_code.name}: "
+                              f"{error.message}") from exc
         urls = [w.triton_url for w in table.workers if w.triton_url and w.state == router_pb2.WORKER_STATE_SERVING]
         if not urls:
             raise TargetError(f"the router at {self.addr} lists no SERVING worker with a Triton URL; "
@@ -126,7 +130,7 @@ class MeshTarget(Target):
             if result.ended is None:
                 result.error, result.ended = "NO_FINAL_CHUNK", time.monotonic()
         except grpc.aio.AioRpcError as exc:
-            result.error = exc.code().name
+            result.error = from_rpc_error(exc).grpc_code.name
             result.ended = time.monotonic()
 
 
