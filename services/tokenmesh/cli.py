@@ -32,7 +32,7 @@ def _add_addr(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used to document the configuration)."""
     from tokenmesh.bench.command import add_arguments as add_bench_arguments
-    from tokenmesh.prober.prober import ProberConfig
+    from tokenmesh.prober import ProberConfig
     from tokenmesh.router.service import RouterConfig
     from tokenmesh.worker.service import WorkerConfig
 
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_service(args: argparse.Namespace) -> int:
-    from tokenmesh.prober.prober import Prober
+    from tokenmesh.prober import Prober
     from tokenmesh.router.service import Router
     from tokenmesh.worker.service import Worker
 

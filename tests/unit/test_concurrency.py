@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from tokenmesh.prober.prober import Prober, ProberConfig, Scoring, WorkerView, compute_weight
+from tokenmesh.prober import Prober, ProberConfig, Scoring, WorkerView, compute_weight
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker.concurrency import AdaptiveLimit
 from tokenmesh.worker.devices import DeviceReading

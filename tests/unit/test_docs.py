@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from tokenmesh.config import env_name
-from tokenmesh.prober.prober import ProberConfig
+from tokenmesh.prober import ProberConfig
 from tokenmesh.router.service import RouterConfig
 from tokenmesh.worker.service import WorkerConfig
 

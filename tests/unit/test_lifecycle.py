@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tokenmesh.prober.prober import Prober, ProberConfig
+from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker.service import Worker, WorkerConfig
 

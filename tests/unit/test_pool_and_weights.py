@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from tokenmesh.errors import NotFound, Unavailable
-from tokenmesh.prober.prober import MIN_WEIGHT, Scoring, WorkerView, compute_weight
+from tokenmesh.prober import MIN_WEIGHT, Scoring, WorkerView, compute_weight
 from tokenmesh.router.pool import WorkerPool
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
 
@@ -127,7 +127,7 @@ def test_a_recent_device_oom_halves_the_weight() -> None:
 
 
 def test_nonsense_stats_are_recognised() -> None:
-    from tokenmesh.prober.prober import nonsense
+    from tokenmesh.prober import nonsense
 
     assert nonsense(worker_pb2.WorkerStats(concurrency_limit=4, in_flight=1)) == ""
     assert "concurrency_limit 0" in nonsense(worker_pb2.WorkerStats(concurrency_limit=0))

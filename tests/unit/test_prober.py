@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tokenmesh.prober.prober import Prober, ProberConfig
+from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.v1 import router_pb2
 from tokenmesh.worker.devices import DeviceReading
 
