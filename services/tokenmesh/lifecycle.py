@@ -134,6 +134,8 @@ class Service(abc.ABC):
         await asyncio.shield(self._shutdown_task)
 
     async def _shutdown(self) -> None:
+        began = asyncio.get_running_loop().time()
+        log.info("%s draining (grace %g s)", self.name, self.drain_grace_s)
         try:
             await self.host.set_ready(False)
             if self._started:
@@ -150,6 +152,8 @@ class Service(abc.ABC):
                 await self.host.stop(self.stop_grace_s)
             finally:
                 await self._close()
+                log.info("%s stopped %.1f s after draining began", self.name,
+                         asyncio.get_running_loop().time() - began)
 
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT (or until a background task dies), then shut down.
