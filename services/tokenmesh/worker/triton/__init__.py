@@ -14,7 +14,7 @@ The modules, one job each: ``_process`` (the tritonserver child), ``_codec``
 """
 
 from ._backend import PORT_ATTEMPTS, TRITON_CHANNEL_OPTIONS, TritonBackend, TritonBackendConfig
-from ._codec import build_request
+from ._codec import MalformedBytes, build_request, decode_first, encode_bytes
 from ._generation import TritonGeneration
 from ._metrics import parse_pending
 from ._process import (
@@ -27,6 +27,7 @@ from ._process import (
 
 __all__ = [
     "DEFAULT_MODEL_REPOSITORY",
+    "MalformedBytes",
     "PORT_ATTEMPTS",
     "SHIPPED_REPOSITORIES",
     "TRITON_CHANNEL_OPTIONS",
@@ -37,5 +38,7 @@ __all__ = [
     "TritonProcess",
     "TritonProcessConfig",
     "build_request",
+    "decode_first",
+    "encode_bytes",
     "parse_pending",
 ]

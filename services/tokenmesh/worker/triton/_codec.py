@@ -2,6 +2,8 @@
 
 BYTES tensors travel as raw contents, each element a 4-byte little-endian
 length followed by that many bytes (UTF-8 text here); UINT32 as 4 bytes.
+A BYTES element whose prefix or length does not fit its bytes raises
+:class:`MalformedBytes` instead of decoding to whatever the slice holds.
 """
 
 from __future__ import annotations
@@ -19,9 +21,30 @@ def _add_input(request: service_pb2.ModelInferRequest, name: str, datatype: str,
     request.raw_input_contents.append(raw)
 
 
-def _bytes_element(value: str) -> bytes:
+class MalformedBytes(ValueError):
+    """A BYTES element whose 4-byte length prefix does not match the bytes that carry it."""
+
+
+def encode_bytes(value: str) -> bytes:
+    """One BYTES element: the UTF-8 of ``value`` after its 4-byte little-endian length."""
     data = value.encode("utf-8")
-    return len(data).to_bytes(4, "little") + data  # Triton's BYTES: 4-byte length, then the bytes
+    return len(data).to_bytes(4, "little") + data
+
+
+def decode_first(raw: bytes) -> str:
+    """The first BYTES element of a tensor's raw contents, as text (invalid UTF-8 replaced).
+
+    Raises:
+        MalformedBytes: ``raw`` is shorter than the 4-byte prefix, or the prefix
+            counts more bytes than follow it.
+
+    """
+    size = int.from_bytes(raw[:4], "little")
+    if 4 + size > len(raw):  # a prefix cut short fails this too (size >= 0)
+        if len(raw) < 4:
+            raise MalformedBytes(f"BYTES element of {len(raw)} bytes is shorter than its 4-byte length prefix")
+        raise MalformedBytes(f"BYTES element's length prefix says {size} bytes, {len(raw) - 4} follow it")
+    return raw[4:4 + size].decode("utf-8", errors="replace")
 
 
 def build_request(params: GenerationParams) -> service_pb2.ModelInferRequest:
@@ -38,12 +61,12 @@ def build_request(params: GenerationParams) -> service_pb2.ModelInferRequest:
     if params.ignore_eos:
         sampling["ignore_eos"] = True
     request = service_pb2.ModelInferRequest(model_name=params.model, id=params.request_id)
-    _add_input(request, "text_input", "BYTES", _bytes_element(params.prompt))
+    _add_input(request, "text_input", "BYTES", encode_bytes(params.prompt))
     _add_input(request, "stream", "BOOL", b"\x01")
-    _add_input(request, "sampling_parameters", "BYTES", _bytes_element(json.dumps(sampling)))
+    _add_input(request, "sampling_parameters", "BYTES", encode_bytes(json.dumps(sampling)))
     if params.messages:
         messages = [{"role": role, "content": content} for role, content in params.messages]
-        _add_input(request, "messages", "BYTES", _bytes_element(json.dumps(messages)))
+        _add_input(request, "messages", "BYTES", encode_bytes(json.dumps(messages)))
     return request
 
 
@@ -66,11 +89,16 @@ class _Outputs:
         return b""
 
     def text(self, name: str) -> str:
-        raw = self._raw(name)
-        if len(raw) < 4:
-            return ""
-        size = int.from_bytes(raw[:4], "little")
-        return raw[4:4 + size].decode("utf-8", errors="replace")
+        """The output's first element; "" when it is absent or has none; :class:`MalformedBytes` if cut."""
+        # The lookup is written out rather than through _raw so a token costs
+        # the same two calls (text, then the decoder) as before the codec check.
+        response = self.response
+        for i, output in enumerate(response.outputs):
+            if output.name == name:
+                contents = response.raw_output_contents
+                raw = contents[i] if i < len(contents) else b""
+                return decode_first(raw) if raw else ""
+        return ""
 
     def uint(self, name: str) -> int:
         raw = self._raw(name)

@@ -13,7 +13,7 @@ from tokenmesh.errors import classify_backend_message
 from tokenmesh.v1 import worker_pb2
 from tokenmesh.worker.backend import BackendError, Delta, Finished, Generation, GenerationParams
 
-from ._codec import _Outputs, build_request
+from ._codec import MalformedBytes, _Outputs, build_request
 
 
 def _rpc_error_class(exc: grpc.aio.AioRpcError) -> worker_pb2.ErrorClass:
@@ -86,6 +86,9 @@ class TritonGeneration(Generation):
                 raise
             message = f"{exc.code().name}: {exc.details()}"
             raise BackendError(_rpc_error_class(exc), f"Triton: {message}") from exc
+        except MalformedBytes as exc:
+            # A broken response fails this generation, never the worker.
+            raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, f"Triton sent a malformed response: {exc}") from exc
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._cancelled and task is not None and task.cancelling() == 0:
