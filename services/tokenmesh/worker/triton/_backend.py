@@ -161,7 +161,7 @@ class TritonBackend(Backend):
             try:
                 text = await asyncio.to_thread(_fetch_text, self.metrics_url)
                 pending = parse_pending(text)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: not Prometheus text (some other endpoint)
                 log.debug("Triton metrics unavailable at %s: %s", self.metrics_url, exc)
         return EngineStats(queued_total=queued, queue_ns_total=queue_ns, pending=pending)
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import urllib.request
 
+from prometheus_client.parser import text_string_to_metric_families
+
+PENDING = "nv_inference_pending_request_count"
+"""Triton's gauge of requests waiting in a model's queue, one sample per model (and version)."""
+
 
 def _fetch_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - our own Triton's endpoint
@@ -11,10 +16,17 @@ def _fetch_text(url: str) -> str:
 
 
 def parse_pending(metrics: str) -> int | None:
-    """Sum of ``nv_inference_pending_request_count`` over models in Prometheus text; None if absent."""
+    """Sum of ``nv_inference_pending_request_count`` over models in Prometheus text; None if absent.
+
+    Raises:
+        ValueError: the text is not Prometheus exposition format.
+
+    """
     values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("nv_inference_pending_request_count{")
+        sample.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == PENDING
+        for sample in family.samples
+        if sample.name == PENDING
     ]
     return int(sum(values)) if values else None
