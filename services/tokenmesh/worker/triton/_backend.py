@@ -81,9 +81,7 @@ class TritonBackend(Backend):
     async def _start_once(self) -> None:
         if self.process is not None:
             await self.process.start()
-        self._client = triton_aio.InferenceServerClient(self.endpoint)
-        self._channel = grpc.aio.insecure_channel(self.endpoint, options=TRITON_CHANNEL_OPTIONS)
-        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        await self._connect()
         timeout = self.config.process.start_timeout_s if self.config.process else 60.0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -193,8 +191,14 @@ class TritonBackend(Backend):
             await self._client.load_model(spec.name)
         await self.start()
 
-    async def stop(self) -> None:
-        """Close the client and stop our Triton (if we started it)."""
+    async def _connect(self) -> None:
+        """A new client and channel to Triton; those of before (a restart's) are closed first."""
+        await self._disconnect()
+        self._client = triton_aio.InferenceServerClient(self.endpoint)
+        self._channel = grpc.aio.insecure_channel(self.endpoint, options=TRITON_CHANNEL_OPTIONS)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+
+    async def _disconnect(self) -> None:
         if self._client is not None:
             client, self._client = self._client, None
             with contextlib.suppress(Exception):
@@ -202,5 +206,9 @@ class TritonBackend(Backend):
         if self._channel is not None:
             channel, self._channel, self._stub = self._channel, None, None
             await channel.close()
+
+    async def stop(self) -> None:
+        """Close the client and stop our Triton (if we started it)."""
+        await self._disconnect()
         if self.process is not None:
             await self.process.stop()

@@ -53,7 +53,10 @@ class TritonGeneration(Generation):
         if self._cancelled:
             yield Finished("cancelled", 0, 0)
             return
-        call = self._call = self._stub.ModelStreamInfer(timeout=params.timeout_s)
+        try:
+            call = self._call = self._stub.ModelStreamInfer(timeout=params.timeout_s)
+        except grpc.aio.UsageError as exc:  # "Channel is closed": the backend restarted or stopped meanwhile
+            raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, f"Triton: {exc} (backend restarting)") from exc
         try:
             await call.write(build_request(params))
             await call.done_writing()  # Triton ends the stream after the final response
@@ -89,12 +92,16 @@ class TritonGeneration(Generation):
         except MalformedBytes as exc:
             # A broken response fails this generation, never the worker.
             raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, f"Triton sent a malformed response: {exc}") from exc
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             task = asyncio.current_task()
-            if self._cancelled and task is not None and task.cancelling() == 0:
+            if task is None or task.cancelling() != 0:
+                raise  # our caller cancels us
+            if self._cancelled:
                 yield Finished("cancelled", 0, completion_tokens)
                 return
-            raise
+            # Neither the caller nor cancel(): the channel was closed under the call
+            # (the backend restarting), which grpc reports as a cancelled read.
+            raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, "Triton: the channel closed mid-stream") from exc
         finally:
             call.cancel()  # no-op once Triton ended the stream
         if self._cancelled:

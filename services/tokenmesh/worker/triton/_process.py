@@ -70,6 +70,8 @@ class TritonProcessConfig:
     """Niceness added to Triton and its models (the worker's own is unchanged)."""
     start_timeout_s: float = 180.0
     """How long to wait for every model to be READY."""
+    extra_args: tuple[str, ...] = ()
+    """More tritonserver flags, after ours (e.g. ``--model-control-mode=explicit``)."""
 
 
 class TritonProcess:
@@ -157,6 +159,7 @@ class TritonProcess:
             f"--metrics-port={self.metrics_port}",
             "--exit-timeout-secs=5",
             "--log-verbose=0",
+            *cfg.extra_args,
         ]
         log_file = self.log_path.open("ab")
         self._log_start = log_file.tell()
