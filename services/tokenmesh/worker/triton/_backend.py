@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+import tenacity
 import tritonclient.grpc.aio as triton_aio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -22,6 +23,8 @@ from ._process import PortTaken, TritonProcess, TritonProcessConfig
 log = logging.getLogger(__name__)
 
 PORT_ATTEMPTS = 3
+READY_POLL_S = 0.25
+"""How often start asks Triton whether its models are READY."""
 TRITON_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 """Our own channel to Triton (generations, statistics): messages of any size, as tritonclient allows."""
 
@@ -40,6 +43,14 @@ class TritonBackendConfig:
     """Context per request for models whose config does not say (n_ctx/n_parallel)."""
     default_slots: int = 4
     """Concurrent generations for models whose config does not say (n_parallel)."""
+
+
+class _Starting(Exception):
+    """Triton does not answer yet, or still loads a model: ask again."""
+
+
+def _log_port_taken(state: tenacity.RetryCallState) -> None:
+    log.warning("Triton's port was taken before it bound (attempt %d); trying new ports", state.attempt_number)
 
 
 class TritonBackend(Backend):
@@ -67,44 +78,70 @@ class TritonBackend(Backend):
 
     async def start(self) -> None:
         """Start (or reach) Triton and wait until every model is READY."""
-        for attempt in range(1, PORT_ATTEMPTS + 1):
+
+        async def attempt() -> None:
             try:
                 await self._start_once()
-                return
             except PortTaken:
-                # The free ports were picked by binding and releasing them, so
-                # another process can take one before Triton binds: new ports.
-                log.warning("Triton's port was taken before it bound (attempt %d); trying new ports", attempt)
                 await self.stop()
-        raise RuntimeError(f"tritonserver could not bind free ports in {PORT_ATTEMPTS} attempts")
+                raise
+
+        # The free ports were picked by binding and releasing them, so another
+        # process can take one before Triton binds: then again, on new ports.
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(PortTaken),
+            stop=tenacity.stop_after_attempt(PORT_ATTEMPTS),
+            before_sleep=_log_port_taken,
+        )
+        try:
+            await retrying(attempt)
+        except tenacity.RetryError as exc:
+            raise RuntimeError(f"tritonserver could not bind free ports in {PORT_ATTEMPTS} attempts") from (
+                exc.last_attempt.exception()
+            )
 
     async def _start_once(self) -> None:
         if self.process is not None:
             await self.process.start()
         await self._connect()
         timeout = self.config.process.start_timeout_s if self.config.process else 60.0
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            if self.process is not None and self.process.exited():
-                tail = self.process.log_tail()
-                if "already in use" in tail:
-                    raise PortTaken(tail)
-                raise RuntimeError(f"tritonserver exited during start:\n{tail}")
-            with contextlib.suppress(InferenceServerException):
-                if await self._load_models():
-                    return
-            if loop.time() > deadline:
-                tail = self.process.log_tail() if self.process else ""
-                raise RuntimeError(f"Triton at {self.endpoint} had no READY model after {timeout:.0f} s\n{tail}")
-            await asyncio.sleep(0.25)
+        # Triton has no event for "every model READY": poll its index until then.
+        polling = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(_Starting),
+            wait=tenacity.wait_fixed(READY_POLL_S),
+            stop=tenacity.stop_after_delay(timeout),
+        )
+        try:
+            await polling(self._read_models)
+        except tenacity.RetryError as exc:
+            tail = self.process.log_tail() if self.process else ""
+            raise RuntimeError(
+                f"Triton at {self.endpoint} had no READY model after {timeout:.0f} s "
+                f"({exc.last_attempt.exception()})\n{tail}"
+            ) from exc.last_attempt.exception()
 
-    async def _load_models(self) -> bool:
+    async def _read_models(self) -> None:
+        """Take the READY models' specs; :class:`_Starting` while Triton is unreachable or loading."""
+        if self.process is not None and self.process.exited():
+            tail = self.process.log_tail()
+            if "already in use" in tail:
+                raise PortTaken(tail)
+            raise RuntimeError(f"tritonserver exited during start:\n{tail}")
+        try:
+            self._models = await self._model_specs()
+        except InferenceServerException as exc:
+            raise _Starting(f"not answering: {exc}") from exc
+
+    async def _model_specs(self) -> list[ModelSpec]:
         assert self._client is not None
         index = await self._client.get_model_repository_index(as_json=True, client_timeout=5)
         entries = index.get("models", [])
-        if not entries or any(entry.get("state") not in ("READY", "UNAVAILABLE") for entry in entries):
-            return False  # still loading
+        if not entries:
+            raise _Starting("no model in the repository index yet")
+        loading = [f"{e['name']} {e.get('state') or 'UNKNOWN'}" for e in entries
+                   if e.get("state") not in ("READY", "UNAVAILABLE")]
+        if loading:
+            raise _Starting(f"still loading: {', '.join(loading)}")
         ready = [entry["name"] for entry in entries if entry.get("state") == "READY"]
         if not ready:
             failed = "; ".join(f"{e['name']}: {e.get('reason', '')}" for e in entries)
@@ -117,8 +154,7 @@ class TritonBackend(Backend):
             n_ctx = parameters.get("n_ctx")
             max_context = int(n_ctx) // slots if n_ctx else self.config.default_max_context
             specs.append(ModelSpec(name=name, max_context=max_context, slots=slots))
-        self._models = specs
-        return True
+        return specs
 
     async def ready(self) -> bool:
         """True when Triton answers and every model is READY."""
