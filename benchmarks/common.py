@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import psutil
 
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.process import cpu_seconds, descendants, dies_with_parent
@@ -31,17 +32,14 @@ def percentile(values: list[float], q: float) -> float:
 
 def rss_mb(pid: int) -> float:
     """Resident set size of a process in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return math.nan
+    return float(psutil.Process(pid).memory_info().rss) / 2**20
 
 
 def tree_rss_mb(pid: int) -> float:
     """RSS of a process and all its descendants, MiB."""
     total = 0.0
     for member in descendants(pid):
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(psutil.NoSuchProcess):
             total += rss_mb(member)
     return total
 
