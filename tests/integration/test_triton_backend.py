@@ -37,6 +37,12 @@ async def explicit_triton(tmp_path: Path) -> AsyncIterator[TritonProcess]:
         yield process
 
 
+@pytest.fixture
+async def default_triton(tmp_path: Path) -> AsyncIterator[TritonProcess]:
+    async for process in external_triton(tmp_path, ()):
+        yield process
+
+
 def connections_to(port: int) -> int:
     return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port)
 
@@ -102,5 +108,22 @@ async def test_generations_running_across_a_restart_fail_as_unavailable(explicit
         after: list[Delta | Finished] = []
         await run(backend.generate(GenerationParams(model="faulty", prompt="p", max_tokens=3)), after)
         assert after[-1] == Finished("length", 3, 3)
+    finally:
+        await backend.stop()
+
+
+async def test_restarting_an_external_triton_that_refuses_loads_reconnects(
+    default_triton: TritonProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Triton's default model control mode (none) refuses load_model: the restart must not fail for ever.
+    backend = TritonBackend(TritonBackendConfig(url=default_triton.url))
+    try:
+        await backend.start()
+        await backend.restart()
+        assert "does not let clients load models; reconnecting without a reload" in caplog.text
+        assert await backend.ready()
+        events: list[Delta | Finished] = []
+        await run(backend.generate(GenerationParams(model="faulty", prompt="p", max_tokens=2)), events)
+        assert events[-1] == Finished("length", 3, 2)
     finally:
         await backend.stop()

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 PORT_ATTEMPTS = 3
 READY_POLL_S = 0.25
 """How often start asks Triton whether its models are READY."""
+EXPLICIT_LOADS_REFUSED = "explicit model load / unload is not allowed"
+"""Triton's answer to load_model unless it runs with --model-control-mode=explicit."""
 TRITON_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 """Our own channel to Triton (generations, statistics): messages of any size, as tritonclient allows."""
 
@@ -223,8 +225,15 @@ class TritonBackend(Backend):
             await self.start()
             return
         assert self._client is not None
-        for spec in self._models:
-            await self._client.load_model(spec.name)
+        try:
+            for spec in self._models:
+                await self._client.load_model(spec.name)
+        except InferenceServerException as exc:
+            if EXPLICIT_LOADS_REFUSED not in str(exc):
+                raise
+            # Triton's model control mode is none or poll (its default is none):
+            # it loads its models itself, so reconnecting is all a restart can do.
+            log.warning("Triton at %s does not let clients load models; reconnecting without a reload", self.endpoint)
         await self.start()
 
     async def _connect(self) -> None:
