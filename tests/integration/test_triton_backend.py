@@ -127,3 +127,14 @@ async def test_restarting_an_external_triton_that_refuses_loads_reconnects(
         assert events[-1] == Finished("length", 3, 2)
     finally:
         await backend.stop()
+
+
+async def test_the_pending_gauge_parses_from_a_real_tritons_metrics(explicit_triton: TritonProcess) -> None:
+    metrics_url = f"http://127.0.0.1:{explicit_triton.metrics_port}/metrics"
+    backend = TritonBackend(TritonBackendConfig(url=explicit_triton.url, metrics_url=metrics_url))
+    try:
+        await backend.start()
+        stats = await backend.engine_stats()
+        assert stats is not None and stats.pending == 0
+    finally:
+        await backend.stop()
