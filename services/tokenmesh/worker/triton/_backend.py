@@ -23,6 +23,7 @@ from ._process import PortTaken, TritonProcess, TritonProcessConfig
 log = logging.getLogger(__name__)
 
 PORT_ATTEMPTS = 3
+"""Starts of our own tritonserver, each on new ports, before a port taken under it fails the start."""
 READY_POLL_S = 0.25
 """How often start asks Triton whether its models are READY."""
 EXPLICIT_LOADS_REFUSED = "explicit model load / unload is not allowed"
