@@ -1,10 +1,13 @@
-"""Shared helpers for the benchmarks: a mesh to measure, streams, percentiles, RSS."""
+"""Shared helpers for the benchmarks: a mesh to measure, streams, percentiles, RSS.
+
+``percentile`` is ``tokenmesh bench``'s (linear between ranks), so every figure
+the project prints uses one definition.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import socket
 import subprocess
 import sys
@@ -15,33 +18,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import psutil
 
+from tokenmesh.bench.metrics import percentile as percentile  # the benchmarks' percentile is tokenmesh bench's
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.process import cpu_seconds, descendants, dies_with_parent
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); nan for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
 def rss_mb(pid: int) -> float:
     """Resident set size of a process in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return math.nan
+    return float(psutil.Process(pid).memory_info().rss) / 2**20
 
 
 def tree_rss_mb(pid: int) -> float:
     """RSS of a process and all its descendants, MiB."""
     total = 0.0
     for member in descendants(pid):
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(psutil.NoSuchProcess):
             total += rss_mb(member)
     return total
 

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import psutil
+
 # Runs in the child: ask the kernel for SIGKILL when the parent dies (even by
 # SIGKILL), give up if it already has, take the niceness asked for, then become
 # the real program (same PID; every thread it starts inherits the niceness).
@@ -38,32 +40,20 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
 
 
 def descendants(pid: int) -> list[int]:
-    """The process and every process below it (a tritonserver and its model stubs), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo.extend(children.get(current, []))
-    return found
+    """The process and every process below it (a tritonserver and its model stubs); [pid] once it is gone."""
+    try:
+        return [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return [pid]
 
 
 def cpu_seconds(pids: list[int]) -> float:
     """User plus system CPU time the processes still alive among pids have used."""
-    ticks = 0
+    total = 0.0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])  # utime + stime
-    return ticks / os.sysconf("SC_CLK_TCK")
+            times = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue  # ended meanwhile
+        total += times.user + times.system
+    return total

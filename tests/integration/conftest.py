@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import signal
@@ -15,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from tokenmesh.mesh import Mesh, MeshConfig
@@ -50,10 +50,9 @@ def alive(pid: int | None) -> bool:
     if not pid:
         return False
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    return state != "Z"
 
 
 def left_behind(pids: list[int], grace_s: float = 3.0) -> list[int]:
@@ -62,10 +61,11 @@ def left_behind(pids: list[int], grace_s: float = 3.0) -> list[int]:
     while (alive_now := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in alive_now:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
             # Ours (a reused pid would name another program): a service, Triton or a model stub.
-            if re.search(rb"tokenmesh|triton", Path(f"/proc/{pid}/cmdline").read_bytes()):
-                os.kill(pid, signal.SIGKILL)
+            if re.search(r"tokenmesh|triton", " ".join(process.cmdline())):
+                process.send_signal(signal.SIGKILL)
     return alive_now
 
 

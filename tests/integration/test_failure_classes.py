@@ -219,14 +219,15 @@ def test_sigstopped_worker_weight_drops_after_the_probe_deadline_and_recovers(fa
 
 async def test_triton_port_taken_before_it_binds_is_retried_on_new_ports(tmp_path: Path, monkeypatch) -> None:
     from tokenmesh.worker import triton
+    from tokenmesh.worker.triton import _process
 
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
     taken = held.getsockname()[1]
     picks = iter([taken])  # the first port handed to Triton is already in use
-    real = triton._free_port
-    monkeypatch.setattr(triton, "_free_port", lambda host: next(picks, None) or real(host))
+    real = _process._free_port
+    monkeypatch.setattr(_process, "_free_port", lambda host: next(picks, None) or real(host))
     process = triton.TritonProcessConfig(work_dir=tmp_path, model_repository=Path(FAULTY))
     backend = triton.TritonBackend(triton.TritonBackendConfig(process=process))
     try:

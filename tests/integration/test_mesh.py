@@ -9,6 +9,7 @@ import threading
 import time
 
 import grpc
+import psutil
 import pytest
 
 from tokenmesh.process import cpu_seconds, descendants
@@ -113,8 +114,7 @@ def test_bad_input_is_refused_precisely_while_a_stream_runs(mesh: MeshHandle) ->
 
 def test_engines_run_niced_below_the_relays(mesh: MeshHandle) -> None:
     def nice(pid: int) -> int:
-        with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[16])
+        return psutil.Process(pid).nice()
 
     for worker in mesh.mesh.workers:
         triton_tree = descendants(int(worker.info["triton_pid"]))

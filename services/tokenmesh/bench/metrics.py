@@ -37,6 +37,7 @@ Latency distributions include successful requests only.
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -119,7 +120,9 @@ class RequestResult:
 
 
 def percentile(values: Sequence[float], p: float) -> float:
-    """The p-th percentile with linear interpolation between ranks (numpy's default)."""
+    """The p-th percentile with linear interpolation between ranks (numpy's default); nan for no values."""
+    if not values:
+        return math.nan
     ordered = sorted(values)
     rank = (len(ordered) - 1) * p / 100
     low = int(rank)

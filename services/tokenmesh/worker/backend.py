@@ -1,6 +1,6 @@
 """The worker's one backend seam: what the worker needs from an inference engine.
 
-:class:`TritonBackend` (``triton.py``) is the implementation every user path
+:class:`TritonBackend` (``tokenmesh.worker.triton``) is the implementation every user path
 runs. Tests of the worker's own logic may implement :class:`Backend` in memory.
 """
 

@@ -1,0 +1,109 @@
+"""Triton's wire format for the worker's tensors: requests out, raw outputs back.
+
+BYTES tensors travel as raw contents, each element a 4-byte little-endian
+length followed by that many bytes (UTF-8 text here); UINT32 as 4 bytes.
+A BYTES element whose prefix or length does not fit its bytes raises
+:class:`MalformedBytes` instead of decoding to whatever the slice holds.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tritonclient.grpc import service_pb2
+
+from tokenmesh.worker.backend import GenerationParams
+
+
+def _add_input(request: service_pb2.ModelInferRequest, name: str, datatype: str, raw: bytes) -> None:
+    request.inputs.add(name=name, datatype=datatype, shape=[1])
+    request.raw_input_contents.append(raw)
+
+
+class MalformedBytes(ValueError):
+    """A BYTES element whose 4-byte length prefix does not match the bytes that carry it."""
+
+
+def encode_bytes(value: str) -> bytes:
+    """One BYTES element: the UTF-8 of ``value`` after its 4-byte little-endian length."""
+    data = value.encode("utf-8")
+    return len(data).to_bytes(4, "little") + data
+
+
+def decode_first(raw: bytes) -> str:
+    """The first BYTES element of a tensor's raw contents, as text (invalid UTF-8 replaced).
+
+    Raises:
+        MalformedBytes: ``raw`` is shorter than the 4-byte prefix, or the prefix
+            counts more bytes than follow it.
+
+    """
+    size = int.from_bytes(raw[:4], "little")
+    if 4 + size > len(raw):  # a prefix cut short fails this too (size >= 0)
+        if len(raw) < 4:
+            raise MalformedBytes(f"BYTES element of {len(raw)} bytes is shorter than its 4-byte length prefix")
+        raise MalformedBytes(f"BYTES element's length prefix says {size} bytes, {len(raw) - 4} follow it")
+    return raw[4:4 + size].decode("utf-8", errors="replace")
+
+
+def build_request(params: GenerationParams) -> service_pb2.ModelInferRequest:
+    """The vLLM-backend tensors for a generation (plus the messages extension), as raw contents."""
+    sampling: dict[str, Any] = {"max_tokens": params.max_tokens}
+    if params.temperature is not None:
+        sampling["temperature"] = params.temperature
+    if params.top_p is not None:
+        sampling["top_p"] = params.top_p
+    if params.stop:
+        sampling["stop"] = list(params.stop)
+    if params.seed is not None:
+        sampling["seed"] = params.seed
+    if params.ignore_eos:
+        sampling["ignore_eos"] = True
+    request = service_pb2.ModelInferRequest(model_name=params.model, id=params.request_id)
+    _add_input(request, "text_input", "BYTES", encode_bytes(params.prompt))
+    _add_input(request, "stream", "BOOL", b"\x01")
+    _add_input(request, "sampling_parameters", "BYTES", encode_bytes(json.dumps(sampling)))
+    if params.messages:
+        messages = [{"role": role, "content": content} for role, content in params.messages]
+        _add_input(request, "messages", "BYTES", encode_bytes(json.dumps(messages)))
+    return request
+
+
+class _Outputs:
+    """The first element of each output of one Triton response, read from its raw bytes.
+
+    Per token this is the worker's hot path: reading ``raw_output_contents``
+    directly (BYTES: 4-byte little-endian length, then the bytes; UINT32: 4
+    bytes) skips a numpy deserialization of every tensor.
+    """
+
+    def __init__(self, response: service_pb2.ModelInferResponse) -> None:
+        self.response = response
+
+    def _raw(self, name: str) -> bytes:
+        for i, output in enumerate(self.response.outputs):
+            if output.name == name:
+                raw = self.response.raw_output_contents
+                return raw[i] if i < len(raw) else b""
+        return b""
+
+    def text(self, name: str) -> str:
+        """The output's first element; "" when it is absent or has none; :class:`MalformedBytes` if cut."""
+        # The lookup is written out rather than through _raw so a token costs
+        # the same two calls (text, then the decoder) as before the codec check.
+        response = self.response
+        for i, output in enumerate(response.outputs):
+            if output.name == name:
+                contents = response.raw_output_contents
+                raw = contents[i] if i < len(contents) else b""
+                return decode_first(raw) if raw else ""
+        return ""
+
+    def uint(self, name: str) -> int:
+        raw = self._raw(name)
+        return int.from_bytes(raw[:4], "little") if len(raw) >= 4 else 0
+
+    @property
+    def final(self) -> bool:
+        return bool(self.response.parameters["triton_final_response"].bool_param)

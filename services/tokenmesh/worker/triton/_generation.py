@@ -1,0 +1,110 @@
+"""One generation on Triton: a decoupled ``ModelStreamInfer`` call turned into backend events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2_grpc
+
+from tokenmesh.errors import classify_backend_message
+from tokenmesh.v1 import worker_pb2
+from tokenmesh.worker.backend import BackendError, Delta, Finished, Generation, GenerationParams
+
+from ._codec import MalformedBytes, _Outputs, build_request
+
+
+def _rpc_error_class(exc: grpc.aio.AioRpcError) -> worker_pb2.ErrorClass:
+    code = exc.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return worker_pb2.ERROR_CLASS_TIMEOUT
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return worker_pb2.ERROR_CLASS_UNAVAILABLE
+    return classify_backend_message(exc.details() or "")
+
+
+class TritonGeneration(Generation):
+    """One decoupled ``ModelStreamInfer`` call; cancelling it cancels the Triton request.
+
+    The call is made with the generated gRPC stub, not tritonclient's
+    ``stream_infer``: one write of a request built with raw contents, then
+    reads, with no request-iterator task and no per-response wrapper objects
+    (the worker's CPU per token competes with the engine on small machines).
+    """
+
+    def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub, params: GenerationParams) -> None:
+        self._stub = stub
+        self._params = params
+        self._call: Any = None
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        """Cancel the gRPC call: Triton marks the request cancelled, the model stops."""
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[Delta | Finished]:
+        """Deltas as Triton streams them, then Finished (or BackendError)."""
+        params = self._params
+        completion_tokens = 0
+        if self._cancelled:
+            yield Finished("cancelled", 0, 0)
+            return
+        try:
+            call = self._call = self._stub.ModelStreamInfer(timeout=params.timeout_s)
+        except grpc.aio.UsageError as exc:  # "Channel is closed": the backend restarted or stopped meanwhile
+            raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, f"Triton: {exc} (backend restarting)") from exc
+        try:
+            await call.write(build_request(params))
+            await call.done_writing()  # Triton ends the stream after the final response
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    break
+                if message.error_message:
+                    error = message.error_message
+                    raise BackendError(classify_backend_message(error), f"Triton: {error}")
+                outputs = _Outputs(message.infer_response)
+                text = outputs.text("text_output")
+                tokens = outputs.uint("num_output_tokens")
+                final = outputs.final
+                if not final:
+                    completion_tokens += tokens
+                    if text:
+                        yield Delta(text, tokens)
+                    continue
+                finish = outputs.text("finish_reason") or "stop"
+                if text:  # non-streaming backends put everything in the final response
+                    yield Delta(text, tokens - completion_tokens if tokens > completion_tokens else 0)
+                yield Finished(finish, outputs.uint("num_input_tokens"), max(tokens, completion_tokens))
+                return
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            if self._cancelled:
+                yield Finished("cancelled", 0, completion_tokens)
+                return
+            if isinstance(exc, asyncio.InvalidStateError):
+                raise
+            message = f"{exc.code().name}: {exc.details()}"
+            raise BackendError(_rpc_error_class(exc), f"Triton: {message}") from exc
+        except MalformedBytes as exc:
+            # A broken response fails this generation, never the worker.
+            raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, f"Triton sent a malformed response: {exc}") from exc
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is None or task.cancelling() != 0:
+                raise  # our caller cancels us
+            if self._cancelled:
+                yield Finished("cancelled", 0, completion_tokens)
+                return
+            # Neither the caller nor cancel(): the channel was closed under the call
+            # (the backend restarting), which grpc reports as a cancelled read.
+            raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, "Triton: the channel closed mid-stream") from exc
+        finally:
+            call.cancel()  # no-op once Triton ended the stream
+        if self._cancelled:
+            yield Finished("cancelled", 0, completion_tokens)
+            return
+        raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, "Triton closed the stream before the final response")

@@ -1,0 +1,210 @@
+"""The ``tritonserver`` child process: its folder, environment, ports and lifetime.
+
+Runs the binary shipped in the nvidia-pytriton wheel on loopback ports, in a
+per-worker folder laid out with the Python backend stub for this interpreter
+and a copy of the model repository.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from tokenmesh.process import dies_with_parent
+
+log = logging.getLogger(__name__)
+
+_WORKER_DIR = Path(__file__).parent.parent
+"""tokenmesh/worker/, where the shipped model repositories live (package data)."""
+DEFAULT_MODEL_REPOSITORY = _WORKER_DIR / "model_repository"
+SHIPPED_REPOSITORIES = {
+    "smollm2": DEFAULT_MODEL_REPOSITORY,
+    # Placeholder tokens at a fixed rate: measures the mesh, not a model.
+    "synthetic": _WORKER_DIR / "synthetic_repository",
+}
+"""The model repositories tokenmesh ships, by the model they hold (``tokenmesh up --model``)."""
+
+
+class PortTaken(RuntimeError):
+    """Triton could not bind a port we picked for it."""
+
+
+def _pytriton_dir() -> Path:
+    import pytriton
+
+    return Path(pytriton.__file__).parent
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, kw_only=True)
+class TritonProcessConfig:
+    """How a worker starts its own Triton server."""
+
+    work_dir: Path
+    """Per-worker folder for the backend binaries, model copy and log."""
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    """Source model repository; copied, with parameter overrides applied."""
+    model_parameters: tuple[tuple[str, str], ...] = ()
+    """config.pbtxt parameters to override in every model (e.g. n_threads)."""
+    cuda_visible_devices: str | None = None
+    """CUDA_VISIBLE_DEVICES for Triton; None inherits ours."""
+    host: str = "127.0.0.1"
+    """Address Triton listens on."""
+    nice: int = 0
+    """Niceness added to Triton and its models (the worker's own is unchanged)."""
+    start_timeout_s: float = 180.0
+    """How long to wait for every model to be READY."""
+    extra_args: tuple[str, ...] = ()
+    """More tritonserver flags, after ours (e.g. ``--model-control-mode=explicit``)."""
+
+
+class TritonProcess:
+    """A ``tritonserver`` child process; :meth:`stop` is safe to call twice."""
+
+    def __init__(self, config: TritonProcessConfig) -> None:
+        self.config = config
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._proc: asyncio.subprocess.Process | None = None
+        self.log_path = config.work_dir / "tritonserver.log"
+        self._log_start = 0
+
+    @property
+    def url(self) -> str:
+        """host:port of Triton's gRPC endpoint."""
+        return f"{self.config.host}:{self.grpc_port}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the tritonserver process while it runs."""
+        return self._proc.pid if self._proc else None
+
+    def _prepare(self) -> tuple[Path, Path]:
+        """Lay out backends/python (with the stub for our Python) and models/."""
+        cfg = self.config
+        dist = _pytriton_dir() / "tritonserver"
+        backend_dir = cfg.work_dir / "backends"
+        py_backend = backend_dir / "python"
+        py_backend.mkdir(parents=True, exist_ok=True)
+        for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+            shutil.copy2(dist / "backends" / "python" / name, py_backend / name)
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+        if not stub.exists():
+            raise RuntimeError(f"nvidia-pytriton ships no Python backend stub for Python {version}")
+        shutil.copy2(stub, py_backend / "triton_python_backend_stub")
+
+        models = cfg.work_dir / "models"
+        if models.exists():
+            shutil.rmtree(models)
+        shutil.copytree(cfg.model_repository, models, ignore=shutil.ignore_patterns("__pycache__"))
+        if cfg.model_parameters:
+            for config_file in models.glob("*/config.pbtxt"):
+                model_config = text_format.Parse(config_file.read_text(), mc.ModelConfig())
+                for key, value in cfg.model_parameters:
+                    model_config.parameters[key].string_value = value
+                config_file.write_text(text_format.MessageToString(model_config))
+        return backend_dir, models
+
+    def _environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        libs = [
+            str(sysconfig.get_config_var("LIBDIR")),  # libpython of *this* interpreter (see ARCHITECTURE pitfalls)
+            str(_pytriton_dir().parent / "nvidia_pytriton.libs"),
+        ]
+        if env.get("LD_LIBRARY_PATH"):
+            libs.append(env["LD_LIBRARY_PATH"])
+        env["LD_LIBRARY_PATH"] = ":".join(libs)
+        # The stub's embedded Python ignores PYTHONPATH and finds its prefix by
+        # looking up "python3" on PATH: our venv's bin first makes it use the
+        # venv's site-packages (xllamacpp, numpy<2) and not the system's.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        if self.config.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.config.cuda_visible_devices
+        return env
+
+    async def start(self) -> None:
+        """Start Triton and return once its server is live (models may still load)."""
+        cfg = self.config
+        cfg.work_dir.mkdir(parents=True, exist_ok=True)
+        backend_dir, models = self._prepare()
+        self.grpc_port = _free_port(cfg.host)
+        self.metrics_port = _free_port(cfg.host)
+        binary = _pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
+        args = [
+            str(binary),
+            f"--model-repository={models}",
+            f"--backend-directory={backend_dir}",
+            f"--cache-directory={_pytriton_dir() / 'tritonserver' / 'caches'}",
+            f"--grpc-address={cfg.host}",
+            f"--grpc-port={self.grpc_port}",
+            "--allow-http=false",
+            f"--metrics-address={cfg.host}",
+            f"--metrics-port={self.metrics_port}",
+            "--exit-timeout-secs=5",
+            "--log-verbose=0",
+            *cfg.extra_args,
+        ]
+        log_file = self.log_path.open("ab")
+        self._log_start = log_file.tell()
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *dies_with_parent(args, cfg.nice),  # Triton must not outlive its worker, even a SIGKILLed one
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL,
+                env=self._environment(),
+                cwd=cfg.work_dir,
+            )
+        finally:
+            log_file.close()
+        log.info("tritonserver pid %d on %s (log %s)", self._proc.pid, self.url, self.log_path)
+
+    def exited(self) -> bool:
+        """True once the process has ended."""
+        return self._proc is not None and self._proc.returncode is not None
+
+    async def wait(self) -> int:
+        """Wait for the process to end; return its exit code."""
+        assert self._proc is not None
+        return await self._proc.wait()
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The end of Triton's log since its latest start, for error messages."""
+        try:
+            with self.log_path.open("rb") as log_file:
+                log_file.seek(self._log_start)
+                text = log_file.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it has not ended in 10 s."""
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
