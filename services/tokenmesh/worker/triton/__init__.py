@@ -13,11 +13,11 @@ The modules, one job each: ``_process`` (the tritonserver child), ``_codec``
 (the Prometheus endpoint) and ``_backend`` (the :class:`Backend` over them).
 """
 
-from ._backend import PORT_ATTEMPTS, TRITON_CHANNEL_OPTIONS, TritonBackend, TritonBackendConfig
-from ._codec import MalformedBytes, build_request, decode_first, encode_bytes
-from ._generation import TritonGeneration
-from ._metrics import parse_pending
-from ._process import (
+from tokenmesh.worker.triton._backend import PORT_ATTEMPTS, TRITON_CHANNEL_OPTIONS, TritonBackend, TritonBackendConfig
+from tokenmesh.worker.triton._codec import MalformedBytes, build_request, decode_first, encode_bytes
+from tokenmesh.worker.triton._generation import TritonGeneration
+from tokenmesh.worker.triton._metrics import parse_pending
+from tokenmesh.worker.triton._process import (
     DEFAULT_MODEL_REPOSITORY,
     SHIPPED_REPOSITORIES,
     PortTaken,

@@ -15,10 +15,9 @@ from tritonclient.utils import InferenceServerException
 
 from tokenmesh.v1 import worker_pb2
 from tokenmesh.worker.backend import Backend, BackendError, EngineStats, Generation, GenerationParams, ModelSpec
-
-from ._generation import TritonGeneration
-from ._metrics import _fetch_text, parse_pending
-from ._process import PortTaken, TritonProcess, TritonProcessConfig
+from tokenmesh.worker.triton._generation import TritonGeneration
+from tokenmesh.worker.triton._metrics import _fetch_text, parse_pending
+from tokenmesh.worker.triton._process import PortTaken, TritonProcess, TritonProcessConfig
 
 log = logging.getLogger(__name__)
 
