@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmesh.bench.command import add_arguments as add_bench_arguments
     from tokenmesh.prober import ProberConfig
     from tokenmesh.router.service import RouterConfig
-    from tokenmesh.worker.service import WorkerConfig
+    from tokenmesh.worker import WorkerConfig
 
     parser = argparse.ArgumentParser(
         prog="tokenmesh",
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_service(args: argparse.Namespace) -> int:
     from tokenmesh.prober import Prober
     from tokenmesh.router.service import Router
-    from tokenmesh.worker.service import Worker
+    from tokenmesh.worker import Worker
 
     service: Any = {"router": Router, "worker": Worker, "prober": Prober}[args.command]
     config = from_namespace(args.config_cls, args)

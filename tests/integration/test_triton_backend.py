@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tokenmesh.v1 import worker_pb2
-from tokenmesh.worker.backend import BackendError, Delta, Finished, Generation, GenerationParams
+from tokenmesh.worker import BackendError, Delta, Finished, Generation, GenerationParams
 from tokenmesh.worker.triton import TritonBackend, TritonBackendConfig, TritonProcess, TritonProcessConfig
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ import pytest
 
 from tokenmesh.router.service import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2_grpc, router_pb2_grpc
-from tokenmesh.worker.service import Worker, WorkerConfig
+from tokenmesh.worker import Worker, WorkerConfig
 
 from .fakes import FakeBackend
 

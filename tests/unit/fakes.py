@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from tokenmesh.v1 import worker_pb2
-from tokenmesh.worker.backend import (
+from tokenmesh.worker import (
     Backend,
     BackendError,
     Delta,

@@ -9,7 +9,7 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
-from tokenmesh.worker.backend import BackendError, Delta, Finished, GenerationParams
+from tokenmesh.worker import BackendError, Delta, Finished, GenerationParams
 from tokenmesh.worker.triton import MalformedBytes, TritonGeneration, build_request, decode_first, encode_bytes
 from tokenmesh.worker.triton._codec import _Outputs
 

@@ -8,8 +8,7 @@ import grpc
 
 from tokenmesh.prober import Prober, ProberConfig, Scoring, WorkerView, compute_weight
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
-from tokenmesh.worker.concurrency import AdaptiveLimit
-from tokenmesh.worker.devices import DeviceReading
+from tokenmesh.worker import AdaptiveLimit, DeviceReading
 
 from .conftest import InProcessMesh, in_process_mesh, wait_until
 from .test_failure_classes import stats

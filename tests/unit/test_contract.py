@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenmesh.router.inference import InferenceServicer
 from tokenmesh.router.service import ControlServicer, RouterServicer
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
-from tokenmesh.worker.service import WorkerServicer
+from tokenmesh.worker import WorkerServicer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from tokenmesh.errors import classify_backend_message
 from tokenmesh.mesh import MeshConfig
 from tokenmesh.router.service import RouterConfig
 from tokenmesh.v1 import worker_pb2
-from tokenmesh.worker.service import WorkerConfig
+from tokenmesh.worker import WorkerConfig
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, worker_pb2, worker_pb2_grpc
-from tokenmesh.worker.backend import BackendError
+from tokenmesh.worker import BackendError
 
 from .conftest import InProcessMesh, in_process_mesh, wait_until
 

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
-from tokenmesh.worker.service import Worker, WorkerConfig
+from tokenmesh.worker import Worker, WorkerConfig
 
 from .conftest import InProcessMesh, wait_until
 from .fakes import FakeBackend

@@ -140,7 +140,7 @@ def test_nonsense_stats_are_recognised() -> None:
 
 def test_cpu_sets_parse_and_format() -> None:
     from tokenmesh.config import ConfigError
-    from tokenmesh.worker.service import format_cpus, parse_cpus
+    from tokenmesh.worker import format_cpus, parse_cpus
 
     assert parse_cpus("0-2,5") == {0, 1, 2, 5}
     assert format_cpus({0, 1, 2, 5}) == "0-2,5"

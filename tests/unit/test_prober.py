@@ -7,7 +7,7 @@ import time
 
 from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.v1 import router_pb2
-from tokenmesh.worker.devices import DeviceReading
+from tokenmesh.worker import DeviceReading
 
 from .conftest import InProcessMesh, wait_until
 

@@ -9,8 +9,7 @@ import pytest
 
 from tokenmesh.errors import OutOfRange, ResourceExhausted
 from tokenmesh.v1 import inference_pb2, worker_pb2
-from tokenmesh.worker.backend import GenerationParams
-from tokenmesh.worker.registry import Record, Registry
+from tokenmesh.worker import GenerationParams, Record, Registry
 
 from .conftest import InProcessMesh, in_process_mesh, wait_until
 from .fakes import FakeBackend

@@ -10,7 +10,7 @@ from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.router.pool import WorkerEntry, WorkerPool
 from tokenmesh.router.service import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
-from tokenmesh.worker.service import Worker, WorkerConfig
+from tokenmesh.worker import Worker, WorkerConfig
 
 from .conftest import wait_until
 from .fakes import FakeBackend

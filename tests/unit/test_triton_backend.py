@@ -10,7 +10,7 @@ import grpc
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from tokenmesh.worker.backend import ModelSpec
+from tokenmesh.worker import ModelSpec
 from tokenmesh.worker.triton import TritonBackend, TritonBackendConfig, TritonProcessConfig, _backend
 
 READY = {"models": [{"name": "m", "state": "READY"}]}

@@ -1,16 +1,44 @@
-"""The worker: owns its devices and its Triton server, streams generations as chunks."""
+"""The worker: owns its devices and its Triton server, streams generations as chunks.
 
-from tokenmesh.worker.backend import Backend, BackendError, Delta, Finished, Generation, GenerationParams, ModelSpec
-from tokenmesh.worker.service import Worker, WorkerConfig
+``Backend`` (in ``_backend``) is the one seam between the worker and an
+inference engine; ``tokenmesh.worker.triton`` implements it over Triton.
+"""
+
+from tokenmesh.worker._backend import (
+    Backend,
+    BackendError,
+    Delta,
+    EngineStats,
+    Finished,
+    Generation,
+    GenerationParams,
+    ModelSpec,
+)
+from tokenmesh.worker._concurrency import AdaptiveLimit
+from tokenmesh.worker._config import WorkerConfig, format_cpus, parse_cpus
+from tokenmesh.worker._devices import DeviceReader, DeviceReading, nvml_reader
+from tokenmesh.worker._registry import Record, Registry
+from tokenmesh.worker._service import Worker
+from tokenmesh.worker._servicer import WorkerServicer
 
 __all__ = [
+    "AdaptiveLimit",
     "Backend",
     "BackendError",
     "Delta",
+    "DeviceReader",
+    "DeviceReading",
+    "EngineStats",
     "Finished",
     "Generation",
     "GenerationParams",
     "ModelSpec",
+    "Record",
+    "Registry",
     "Worker",
     "WorkerConfig",
+    "WorkerServicer",
+    "format_cpus",
+    "parse_cpus",
+    "nvml_reader",
 ]

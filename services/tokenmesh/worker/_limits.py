@@ -15,9 +15,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from tokenmesh.worker.backend import Backend
-from tokenmesh.worker.concurrency import AdaptiveLimit
-from tokenmesh.worker.devices import DeviceReading
+from tokenmesh.worker._backend import Backend
+from tokenmesh.worker._concurrency import AdaptiveLimit
+from tokenmesh.worker._devices import DeviceReading
 
 log = logging.getLogger(__name__)
 

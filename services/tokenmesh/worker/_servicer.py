@@ -1,4 +1,4 @@
-"""``tokenmesh.v1.Worker``: the RPC handlers over a :class:`~tokenmesh.worker.backend.Backend`."""
+"""``tokenmesh.v1.Worker``: the RPC handlers over a :class:`~tokenmesh.worker.Backend`."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import grpc
 
 from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from tokenmesh.worker._backend import Backend, BackendError, GenerationParams, ModelSpec
+from tokenmesh.worker._devices import DeviceReader
 from tokenmesh.worker._limits import Limits
+from tokenmesh.worker._registry import Record, Registry
 from tokenmesh.worker._telemetry import Telemetry
-from tokenmesh.worker.backend import Backend, BackendError, GenerationParams, ModelSpec
-from tokenmesh.worker.devices import DeviceReader
-from tokenmesh.worker.registry import Record, Registry
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):

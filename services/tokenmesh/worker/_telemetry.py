@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from tokenmesh.worker.backend import Backend, EngineStats
+from tokenmesh.worker._backend import Backend, EngineStats
 
 log = logging.getLogger(__name__)
 

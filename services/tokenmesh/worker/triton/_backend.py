@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tokenmesh.v1 import worker_pb2
-from tokenmesh.worker.backend import Backend, BackendError, EngineStats, Generation, GenerationParams, ModelSpec
+from tokenmesh.worker._backend import Backend, BackendError, EngineStats, Generation, GenerationParams, ModelSpec
 from tokenmesh.worker.triton._generation import TritonGeneration
 from tokenmesh.worker.triton._metrics import _fetch_text, parse_pending
 from tokenmesh.worker.triton._process import PortTaken, TritonProcess, TritonProcessConfig

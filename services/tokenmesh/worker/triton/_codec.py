@@ -13,7 +13,7 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2
 
-from tokenmesh.worker.backend import GenerationParams
+from tokenmesh.worker._backend import GenerationParams
 
 
 def _add_input(request: service_pb2.ModelInferRequest, name: str, datatype: str, raw: bytes) -> None:

@@ -11,7 +11,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from tokenmesh.errors import classify_backend_message
 from tokenmesh.v1 import worker_pb2
-from tokenmesh.worker.backend import BackendError, Delta, Finished, Generation, GenerationParams
+from tokenmesh.worker._backend import BackendError, Delta, Finished, Generation, GenerationParams
 from tokenmesh.worker.triton._codec import MalformedBytes, _Outputs, build_request
 
 

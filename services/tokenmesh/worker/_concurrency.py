@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenmesh.worker.devices import DeviceReading
+from tokenmesh.worker._devices import DeviceReading
 
 MIN_GRADIENT = 0.5
 BASELINE_ALPHA = 0.1

@@ -13,14 +13,14 @@ from tokenmesh.lifecycle import Service
 from tokenmesh.retry import Backoff, Reconnect
 from tokenmesh.server import ServiceHost, write_ready_file
 from tokenmesh.v1 import worker_pb2, worker_pb2_grpc
+from tokenmesh.worker._backend import Backend, GenerationParams
 from tokenmesh.worker._config import WorkerConfig, format_cpus, parse_cpus
+from tokenmesh.worker._devices import nvml_reader
 from tokenmesh.worker._servicer import WorkerServicer
-from tokenmesh.worker.backend import Backend, GenerationParams
-from tokenmesh.worker.devices import nvml_reader
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Worker", "WorkerConfig", "WorkerServicer", "format_cpus", "parse_cpus"]
+
 
 
 class Worker(Service):

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 
 from tokenmesh.errors import NotFound, OutOfRange, ResourceExhausted
 from tokenmesh.v1 import inference_pb2, worker_pb2
-from tokenmesh.worker.backend import BackendError, Delta, Generation
+from tokenmesh.worker._backend import BackendError, Delta, Generation
 
 log = logging.getLogger(__name__)
 
