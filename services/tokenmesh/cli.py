@@ -243,7 +243,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "up":
             return _up(args)
         if args.command in ("router", "worker", "prober"):
-            return _run_service(args)
+            try:
+                return _run_service(args)
+            except OSError as exc:  # e.g. the port is taken: say so, without a traceback
+                print(f"tokenmesh {args.command}: error: {exc}", file=sys.stderr)
+                return 1
         if args.command == "bench":
             from tokenmesh.bench.command import run as bench
 

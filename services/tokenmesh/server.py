@@ -119,9 +119,13 @@ class ServiceHost:
 
     async def start(self) -> int:
         """Bind and start (live, not ready); return the bound port (useful with port 0)."""
-        self.port = self.server.add_insecure_port(f"{self._host}:{self._requested_port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{self._host}:{self._requested_port}")
+        except RuntimeError:  # grpc raises when it cannot bind (older releases returned 0)
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {self._host}:{self._requested_port} (in use or not permitted)")
+            raise OSError(f"cannot listen on {self._host}:{self._requested_port} (in use or not permitted); "
+                          "choose another --port (0 picks a free one)")
         if self._shared_port:
             self.private_address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         await self.server.start()

@@ -219,3 +219,17 @@ async def test_unknown_health_names_get_not_found_and_allocate_nothing(mesh: InP
         for name in ("", "liveness", "readiness", "tokenmesh.v1.Inference", "grpc.health.v1.Health"):
             assert (await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=2)).status == SERVING
     assert len(health._conditions) == before
+
+
+def test_a_taken_port_is_a_one_line_error_and_exit_code_1() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "tokenmesh", "router", "--port", str(port), "--workers", "w:1"],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (f"tokenmesh router: error: cannot listen on 127.0.0.1:{port} (in use or not permitted); "
+                    "choose another --port (0 picks a free one)")
+    assert "Traceback" not in done.stderr
