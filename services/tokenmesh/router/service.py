@@ -225,7 +225,7 @@ class Router(Service):
             await asyncio.wait_for(self.inference.idle.wait(), self.drain_grace_s)
 
     async def _close(self) -> None:
-        self.inference.close_spares()
+        self.inference.spares.close()
         for channel in self._channels.values():
             await channel.close()
         for sibling in self._siblings:
