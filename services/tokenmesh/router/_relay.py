@@ -14,18 +14,19 @@ from typing import Any
 
 import grpc
 
-from tokenmesh.errors import (
-    CALLER_ERROR_CLASSES,
-    DeadlineExceeded,
-    InvalidArgument,
-    ResourceExhausted,
-    from_generation_error,
-)
+from tokenmesh.errors import CALLER_ERROR_CLASSES, from_generation_error, from_rpc_error
 from tokenmesh.router._cancels import WorkerCancels
 from tokenmesh.router._spares import Spares
 from tokenmesh.router.config import RouterConfig
 from tokenmesh.router.pool import WorkerEntry
 from tokenmesh.v1 import inference_pb2, worker_pb2
+
+CALLER_CODES = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED,
+})
+"""A worker's statuses that are about the request, not the worker: the caller gets them as they are, and the
+stream is not moved to another worker (any other status says the worker failed). RESOURCE_EXHAUSTED joins them
+once the worker has sent an event: then it says the caller reads too slowly (see :meth:`Relay.run`)."""
 
 
 class Live:
@@ -258,13 +259,10 @@ class Relay:
                 return
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise DeadlineExceeded("the deadline passed before the generation finished") from exc
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
-                raise InvalidArgument(exc.details() or str(code)) from exc
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and received:
-                # Mid-stream: the caller reads too slowly (the worker's replay buffer overflowed).
-                raise ResourceExhausted(exc.details() or "caller too slow") from exc
+            # Before the first event RESOURCE_EXHAUSTED is the worker at its limit (run it elsewhere);
+            # mid-stream it is the caller reading too slowly (the worker's replay buffer overflowed).
+            if code in CALLER_CODES or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and received):
+                raise from_rpc_error(exc) from exc
             raise WorkerFailed(f"{code.name}: {exc.details()}") from exc
         except asyncio.CancelledError:
             if watchdog.stalled:

@@ -22,12 +22,12 @@ from tokenmesh.errors import (
     AlreadyExists,
     InvalidArgument,
     NotFound,
-    OutOfRange,
     Unavailable,
     from_generation_error,
+    from_rpc_error,
 )
 from tokenmesh.router._cancels import WorkerCancels
-from tokenmesh.router._relay import Live, Progress, Relay, WorkerFailed, chunk, continuation
+from tokenmesh.router._relay import CALLER_CODES, Live, Progress, Relay, WorkerFailed, chunk, continuation
 from tokenmesh.router._spares import Spares
 from tokenmesh.router._validation import validate
 from tokenmesh.router.admission import FAILOVER, Admission, level
@@ -221,9 +221,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 try:
                     event = await call.read()
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
-                        raise OutOfRange(exc.details() or "after_seq out of range") from exc
-                    continue  # not there (NOT_FOUND) or not reachable
+                    if exc.code() == grpc.StatusCode.OUT_OF_RANGE:  # it holds it, but not from after_seq
+                        raise from_rpc_error(exc) from exc
+                    continue  # not there (NOT_FOUND) or not reachable: ask the next worker
                 try:
                     while event is not grpc.aio.EOF:
                         if event.WhichOneof("event") == "error":
@@ -235,6 +235,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             return
                         event = await call.read()
                 except grpc.aio.AioRpcError as exc:
+                    if exc.code() in CALLER_CODES or exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise from_rpc_error(exc) from exc  # e.g. this caller reads too slowly
                     raise Unavailable(
                         f"worker {entry.address} holding {request_id} failed during Resume ({exc.code().name}); "
                         "a resumed stream is not moved to another worker"
