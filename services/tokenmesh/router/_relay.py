@@ -36,10 +36,13 @@ class Live:
     """The Worker/Generate call of the attempt in progress (None while none runs)."""
     cancel_requested: bool
     """Inference/Cancel asked for it to stop."""
+    ended: asyncio.Event
+    """Set once the stream is torn down (a Resume of the same id waits for it)."""
 
     def __init__(self) -> None:
         self.call = None
         self.cancel_requested = False
+        self.ended = asyncio.Event()
 
 
 class WorkerFailed(Exception):

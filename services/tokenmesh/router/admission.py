@@ -8,6 +8,11 @@ plus one level per ``aging_s`` waited, so LOW cannot starve. Among equals, the
 tenant (``labels["tenant"]``) with fewer generations running goes first, then
 the earliest. The queue is bounded in length and in wait; both answer
 RESOURCE_EXHAUSTED with a ``retry-after-ms`` hint in the trailers.
+
+Slots are handed out when they can change hands: when one is released, and
+when the pool reports a change (health, a weight table, a limit, a
+suspension's end). Aging only reorders the queue, so it needs no timer of its
+own: a waiter's level is computed when a slot is handed out.
 """
 
 from __future__ import annotations
@@ -52,16 +57,33 @@ class Waiter:
 
 
 class Admission:
-    """Grants worker slots to generations, queueing them by priority when none is free."""
+    """Grants worker slots to generations, queueing them by priority when none is free.
+
+    Args:
+        pool: the workers; the admission subscribes to its changes.
+        max_queue: most generations waiting at once.
+        queue_timeout_s: longest wait (unless acquire is given its own).
+        aging_s: a waiter rises one level per this many seconds waited.
+
+    """
+
+    pool: WorkerPool
+    max_queue: int
+    queue_timeout_s: float
+    aging_s: float
+    waiting: list[Waiter]
+    running_by_tenant: Counter[str]
+    _order: itertools.count[int]
 
     def __init__(self, pool: WorkerPool, *, max_queue: int, queue_timeout_s: float, aging_s: float) -> None:
         self.pool = pool
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.aging_s = aging_s
-        self.waiting: list[Waiter] = []
-        self.running_by_tenant: Counter[str] = Counter()
+        self.waiting = []
+        self.running_by_tenant = Counter()
         self._order = itertools.count()
+        pool.subscribe(self.dispatch)
 
     def _effective(self, waiter: Waiter, now: float) -> tuple[float, int, int]:
         aged = waiter.level + int((now - waiter.enqueued) / self.aging_s)
@@ -79,7 +101,7 @@ class Admission:
 
         Raises Unavailable when no live worker serves the model at all (unless
         level is FAILOVER, which waits for one), ResourceExhausted when the
-        queue is full or the wait times out.
+        queue is full or the wait (timeout_s, default queue_timeout_s) runs out.
         """
         if level < FAILOVER:
             self.pool.require_live(model)
@@ -96,7 +118,7 @@ class Admission:
             )
         waiter = Waiter(model, key, level, tenant, now, next(self._order))
         self.waiting.append(waiter)
-        wait = self.queue_timeout_s if timeout_s is None else min(timeout_s, self.queue_timeout_s)
+        wait = self.queue_timeout_s if timeout_s is None else timeout_s
         try:
             entry = await asyncio.wait_for(asyncio.shield(waiter.granted), wait)
         except TimeoutError:
@@ -132,7 +154,7 @@ class Admission:
         self.dispatch()
 
     def dispatch(self) -> None:
-        """Grant free slots to waiters, best first (also call when weights or limits change)."""
+        """Grant free slots to waiters, best first (on a release, and on every change the pool reports)."""
         now = time.monotonic()
         for waiter in sorted(self.waiting, key=lambda w: self._effective(w, now), reverse=True):
             if waiter.granted.done():
@@ -142,10 +164,3 @@ class Admission:
                 continue  # none free for this model; others may serve other models
             self.waiting.remove(waiter)
             waiter.granted.set_result(self._grant(entry, waiter.tenant))
-
-    async def run_dispatcher(self, interval_s: float = 0.1) -> None:
-        """Re-dispatch now and then: slots also free up when weights, health or limits change."""
-        while True:
-            await asyncio.sleep(interval_s)
-            if self.waiting:
-                self.dispatch()

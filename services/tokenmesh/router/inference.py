@@ -22,6 +22,7 @@ from tokenmesh.errors import (
     AlreadyExists,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     Unavailable,
     from_generation_error,
     from_rpc_error,
@@ -36,6 +37,9 @@ from tokenmesh.router.pool import WorkerEntry, WorkerPool, prefix_key
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+TEARDOWN_WAIT_S = 2.0
+"""How long Resume waits for this router's old stream of the same request_id to be torn down."""
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -160,7 +164,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return live
 
     def _end(self, request_id: str) -> None:
-        del self.live[request_id]
+        self.live.pop(request_id).ended.set()
         if not self.live:
             self.idle.set()
 
@@ -179,21 +183,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, remaining)
-        lvl = FAILOVER if failover else level(request.priority)
         if not failover:
-            return await self._admission.acquire(model, lvl, tenant, timeout, key)
-        # A failover also waits for a live worker to come back, not only for a free slot.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            try:
-                self._pool.require_live(model)
-            except Unavailable:
-                if loop.time() >= deadline:
-                    raise
-                await asyncio.sleep(0.1)
-                continue
-            return await self._admission.acquire(model, lvl, tenant, max(0.01, deadline - loop.time()), key)
+            return await self._admission.acquire(model, level(request.priority), tenant, timeout, key)
+        # A failover waits, ahead of the queue, for a slot on a live worker: one that frees, or one that comes
+        # back (its health, a table, the end of a suspension: the pool tells the admission of each).
+        try:
+            return await self._admission.acquire(model, FAILOVER, tenant, timeout, key)
+        except ResourceExhausted:
+            self._pool.require_live(model)  # none came back: say that, not "busy"
+            raise
 
     async def Resume(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -202,12 +200,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_id = request.request_id
         if not request_id:
             raise InvalidArgument("request_id is required")
-        # A caller that cancels its stream and resumes at once can overtake the
-        # teardown of its old stream here: give that a moment to finish.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 2.0
-        while request_id in self.live and loop.time() < deadline:
-            await asyncio.sleep(0.02)
+        held = self.live.get(request_id)
+        if held is not None:
+            # A caller that cancels its stream and resumes at once can overtake the
+            # teardown of its old stream here: give that a moment to finish.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(held.ended.wait(), TEARDOWN_WAIT_S)
         if request_id in self.live:
             raise AlreadyExists(f"generation {request_id!r} is being streamed by this router already")
         self._refuse_if_draining()
