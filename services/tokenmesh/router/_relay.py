@@ -30,19 +30,31 @@ once the worker has sent an event: then it says the caller reads too slowly (see
 
 
 class Live:
-    """A generation (or a resume) this router is streaming now."""
+    """A generation (or a resume) this router is streaming now.
+
+    Args:
+        resumed: a Resume stream (it follows a worker's generation with Attach; a Cancel goes to the workers).
+
+    """
 
     call: grpc.aio.StreamStreamCall[Any, Any] | None
     """The Worker/Generate call of the attempt in progress (None while none runs)."""
-    cancel_requested: bool
-    """Inference/Cancel asked for it to stop."""
+    cancelled: asyncio.Future[None]
+    """Done once Inference/Cancel asked for it to stop (one waiting for a worker slot stops at once)."""
     ended: asyncio.Event
     """Set once the stream is torn down (a Resume of the same id waits for it)."""
+    resumed: bool
 
-    def __init__(self) -> None:
+    def __init__(self, *, resumed: bool = False) -> None:
         self.call = None
-        self.cancel_requested = False
+        self.cancelled = asyncio.get_running_loop().create_future()
         self.ended = asyncio.Event()
+        self.resumed = resumed
+
+    def cancel(self) -> None:
+        """Inference/Cancel asks for the generation to stop."""
+        if not self.cancelled.done():
+            self.cancelled.set_result(None)
 
 
 class WorkerFailed(Exception):
@@ -226,7 +238,7 @@ class Relay:
         try:
             await call.write(start)
             self._spares.open(entry.address)  # for the next generation, while this one waits for its first token
-            if live.cancel_requested:
+            if live.cancelled.done():  # Cancel came while the start was on its way
                 await call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
             while True:
                 watchdog.reading()

@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tokenmesh.errors import ResourceExhausted
+from tokenmesh.errors import Cancelled, ResourceExhausted
 from tokenmesh.router.pool import WorkerEntry, WorkerPool
 from tokenmesh.v1 import inference_pb2
 
@@ -95,14 +95,23 @@ class Admission:
         return max(100, min(30_000, 50 * (len(self.waiting) + 1)))
 
     async def acquire(
-        self, model: str, level: int, tenant: str, timeout_s: float | None = None, key: str = ""
+        self,
+        model: str,
+        level: int,
+        tenant: str,
+        timeout_s: float | None = None,
+        key: str = "",
+        abandon: asyncio.Future[None] | None = None,
     ) -> WorkerEntry:
         """A worker slot for model (its in_flight already counted); wait in the queue if none is free.
 
         Raises Unavailable when no live worker serves the model at all (unless
         level is FAILOVER, which waits for one), ResourceExhausted when the
-        queue is full or the wait (timeout_s, default queue_timeout_s) runs out.
+        queue is full or the wait (timeout_s, default queue_timeout_s) runs out,
+        Cancelled once ``abandon`` is done (the generation was cancelled).
         """
+        if abandon is not None and abandon.done():
+            raise Cancelled("cancelled before it got a worker")
         if level < FAILOVER:
             self.pool.require_live(model)
         now = time.monotonic()
@@ -120,17 +129,22 @@ class Admission:
         self.waiting.append(waiter)
         wait = self.queue_timeout_s if timeout_s is None else timeout_s
         try:
-            entry = await asyncio.wait_for(asyncio.shield(waiter.granted), wait)
-        except TimeoutError:
-            if waiter.granted.done():  # granted just as the wait ran out: keep it
-                entry = waiter.granted.result()
-            else:
+            await asyncio.wait((waiter.granted,) if abandon is None else (waiter.granted, abandon), timeout=wait,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if abandon is not None and abandon.done():
+                if waiter.granted.done():  # granted in the same turn: give the slot to the next waiter
+                    self.release(waiter.granted.result(), tenant)
+                raise Cancelled("cancelled while waiting for a worker slot")
+            if not waiter.granted.done():
                 hint = self._retry_hint_ms()
                 raise ResourceExhausted(
                     f"no worker slot for {model!r} within {wait:g} s ({len(self.waiting)} waiting); "
                     f"retry in about {hint} ms",
                     trailers=(("retry-after-ms", str(hint)),),
-                ) from None
+                )
+            entry = waiter.granted.result()
+        except (Cancelled, ResourceExhausted):
+            raise
         except BaseException:
             if waiter.granted.done() and not waiter.granted.cancelled():
                 self.release(waiter.granted.result(), tenant)  # granted, but the caller is gone

@@ -20,6 +20,7 @@ import grpc
 from tokenmesh.errors import (
     CALLER_ERROR_CLASSES,
     AlreadyExists,
+    Cancelled,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -38,6 +39,8 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_p
 
 log = logging.getLogger(__name__)
 
+CANCEL_TIMEOUT_S = 5.0
+"""Longest a Cancel that goes to the workers waits for their answers (less when the caller's deadline is nearer)."""
 TEARDOWN_WAIT_S = 2.0
 """How long Resume waits for this router's old stream of the same request_id to be torn down."""
 
@@ -111,18 +114,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 forward = continuation(base, progress)
                 if forward is None:
                     # Every requested token reached the caller; only the end was lost.
-                    yield inference_pb2.GenerateChunk(
-                        request_id=request_id, seq=progress.seq + 1, model=model.name,
-                        finish_reason=inference_pb2.FINISH_REASON_LENGTH,
-                        usage=inference_pb2.Usage(completion_tokens=progress.tokens),
-                        migrations=progress.migrations, timing=progress.timing,
-                    )
+                    yield _final(request_id, model.name, progress, inference_pb2.FINISH_REASON_LENGTH)
                     return
                 # Workers that just failed are avoided (suspended) for a while. The
                 # first attempt fails fast when no worker is live at all and
                 # queues when all are busy; a failover waits, ahead of the queue.
                 waited = time.monotonic()
-                entry = await self._acquire(model.name, request, tenant, key, context, failover=attempts > 0)
+                try:
+                    entry = await self._acquire(model.name, request, tenant, key, context, live.cancelled,
+                                                failover=attempts > 0)
+                except Cancelled:
+                    # Cancelled before a worker took it (queued, or between two workers): it ends
+                    # as a cancelled generation on a worker does, with a final CANCELLED chunk.
+                    yield _final(request_id, model.name, progress, inference_pb2.FINISH_REASON_CANCELLED)
+                    return
                 if attempts == 0:
                     progress.timing.queue_ms = (time.monotonic() - waited) * 1000
                 attempts += 1
@@ -157,9 +162,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if self.draining:
             raise Unavailable("this router is draining (shutting down); send the call to another router")
 
-    def _begin(self, request_id: str) -> Live:
+    def _begin(self, request_id: str, *, resumed: bool = False) -> Live:
         """Count a stream of request_id as live on this router."""
-        live = self.live[request_id] = Live()
+        live = self.live[request_id] = Live(resumed=resumed)
         self.idle.clear()
         return live
 
@@ -175,20 +180,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         tenant: str,
         key: str,
         context: grpc.aio.ServicerContext[Any, Any],
+        abandon: asyncio.Future[None],
         *,
         failover: bool,
     ) -> WorkerEntry:
-        """A worker slot through admission, within the caller's deadline."""
+        """A worker slot through admission, within the caller's deadline; Cancelled once abandon is done."""
         timeout = self._config.failover_wait_s if failover else self._config.queue_timeout_s
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, remaining)
         if not failover:
-            return await self._admission.acquire(model, level(request.priority), tenant, timeout, key)
+            return await self._admission.acquire(model, level(request.priority), tenant, timeout, key, abandon)
         # A failover waits, ahead of the queue, for a slot on a live worker: one that frees, or one that comes
         # back (its health, a table, the end of a suspension: the pool tells the admission of each).
         try:
-            return await self._admission.acquire(model, FAILOVER, tenant, timeout, key)
+            return await self._admission.acquire(model, FAILOVER, tenant, timeout, key, abandon)
         except ResourceExhausted:
             self._pool.require_live(model)  # none came back: say that, not "busy"
             raise
@@ -199,7 +205,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """Find the worker holding request_id; replay chunks after after_seq, then follow live."""
         request_id = request.request_id
         if not request_id:
-            raise InvalidArgument("request_id is required")
+            raise InvalidArgument("request_id is required: the one the generation was started with")
         held = self.live.get(request_id)
         if held is not None:
             # A caller that cancels its stream and resumes at once can overtake the
@@ -209,7 +215,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if request_id in self.live:
             raise AlreadyExists(f"generation {request_id!r} is being streamed by this router already")
         self._refuse_if_draining()
-        self._begin(request_id)  # so Generate and Cancel see it is being streamed here
+        self._begin(request_id, resumed=True)  # so Generate and Cancel see it is being streamed here
         try:
             for entry in sorted(self._pool.entries.values(), key=lambda e: not e.healthy):
                 call = self._stubs[entry.address].Attach(
@@ -253,16 +259,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> inference_pb2.CancelResponse:
         """Stop a generation: on this router's stream, or on whichever worker holds it."""
-        live = self.live.get(request.request_id)
-        if live is not None:
-            live.cancel_requested = True
+        request_id = request.request_id
+        if not request_id:
+            raise InvalidArgument("request_id is required: the one the generation was started with")
+        live = self.live.get(request_id)
+        if live is not None and not live.resumed:
+            live.cancel()  # one still waiting for a worker slot ends now
             if live.call is not None:
                 with contextlib.suppress(grpc.aio.UsageError, grpc.aio.AioRpcError):
                     await live.call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
-                return inference_pb2.CancelResponse(cancelled=True)
-        cancelled = await self.cancels.everywhere(request.request_id)
-        if not cancelled:
-            raise NotFound(f"no live generation with request_id {request.request_id!r}")
+            return inference_pb2.CancelResponse(cancelled=True)
+        # No stream of this router runs it (or a Resume follows it): the worker that holds it stops it.
+        remaining = context.time_remaining()
+        # Answer before the caller's deadline passes, so it learns NOT_FOUND rather than DEADLINE_EXCEEDED.
+        timeout = CANCEL_TIMEOUT_S if remaining is None else min(CANCEL_TIMEOUT_S, 0.9 * remaining)
+        held, not_asked = await self.cancels.everywhere(request_id, timeout)
+        if not held:
+            unknown = f"no live generation with request_id {request_id!r}"
+            if not_asked:
+                raise NotFound(f"{unknown} on the workers that answered; could not ask {', '.join(not_asked)}")
+            raise NotFound(unknown)
         return inference_pb2.CancelResponse(cancelled=True)
 
     async def ListModels(  # noqa: N802 - gRPC method name
@@ -275,3 +291,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             model.CopyFrom(info)
             model.workers = count
         return response
+
+
+def _final(
+    request_id: str, model: str, progress: Progress, reason: inference_pb2.FinishReason
+) -> inference_pb2.GenerateChunk:
+    """The last chunk of a generation the router ends itself (no worker sent an end)."""
+    return inference_pb2.GenerateChunk(
+        request_id=request_id, seq=progress.seq + 1, model=model, finish_reason=reason,
+        usage=inference_pb2.Usage(completion_tokens=progress.tokens),
+        migrations=progress.migrations, timing=progress.timing,
+    )
