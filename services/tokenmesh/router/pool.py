@@ -169,13 +169,16 @@ class WorkerPool:
         self._changed()
 
     def apply(self, table: router_pb2.WeightTable) -> bool:
-        """Use table if it is newer than the one in force; return whether it was applied."""
+        """Use table if it is newer than the one in force; return whether it was applied.
+
+        The table has passed ``check_table`` (router/_tables.py): weights in [0, 1], addresses host:port.
+        """
         if table.version <= self.version:
             return False
         listed = set()
         for w in table.workers:
             entry = self.add(w.address)
-            entry.weight = max(0.0, min(1.0, w.weight))
+            entry.weight = w.weight
             entry.state = w.state
             entry.reason = w.reason
             if w.triton_url:

@@ -21,6 +21,7 @@ from tokenmesh.config import env_name
 from tokenmesh.lifecycle import Service
 from tokenmesh.process import dies_with_parent, stop_process
 from tokenmesh.retry import Reconnect, StreamEnded
+from tokenmesh.router._tables import check_table
 from tokenmesh.router.admission import Admission
 from tokenmesh.router.config import RouterConfig
 from tokenmesh.router.inference import InferenceServicer
@@ -52,19 +53,45 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 class ControlServicer(router_pb2_grpc.ControlServicer):
-    """Weight tables from the prober; each version acked."""
+    """Weight tables from the prober; each version checked whole, then applied and acked.
 
-    def __init__(self, pool: WorkerPool, on_new_worker: asyncio.Queue[str], peers: Peers | None = None) -> None:
+    Args:
+        pool: the workers; tables are applied to it.
+        on_new_worker: gets each address a table adds (only with --discovery prober).
+        allowed: the workers a table may name (None: any, with --discovery prober).
+        peers: the sibling processes to pass tables on to (--processes > 1).
+
+    """
+
+    _pool: WorkerPool
+    _new_workers: asyncio.Queue[str]
+    _allowed: frozenset[str] | None
+    _peers: Peers | None
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        on_new_worker: asyncio.Queue[str],
+        allowed: frozenset[str] | None,
+        peers: Peers | None = None,
+    ) -> None:
         self._pool = pool
         self._new_workers = on_new_worker
+        self._allowed = allowed
         self._peers = peers
 
     async def PushWeights(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[router_pb2.WeightTable], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[router_pb2.WeightAck]:
-        """Apply each newer table (and pass it on to sibling processes); ack every one."""
+        """Apply each newer table (and pass it on to sibling processes); ack every one.
+
+        A table with a bad entry (a weight outside [0, 1], a malformed address,
+        a worker --discovery static does not allow) is not applied at all: the
+        stream ends with INVALID_ARGUMENT naming the entry.
+        """
         from_sibling = FORWARDED in (context.invocation_metadata() or ())
         async for table in request_iterator:
+            check_table(table, self._allowed)
             known = set(self._pool.entries)
             applied = self._pool.apply(table)  # the admission hears of it from the pool
             if applied and self._peers is not None and not from_sibling:
@@ -125,7 +152,8 @@ class Router(Service):
         self.inference = InferenceServicer(config, self.pool, self._stubs, self.admission)
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool, self.admission), host.server)
-        control = ControlServicer(self.pool, self._new_workers, self.peers)
+        allowed = frozenset(config.workers) if config.discovery == "static" else None
+        control = ControlServicer(self.pool, self._new_workers, allowed, self.peers)
         router_pb2_grpc.add_ControlServicer_to_server(control, host.server)
 
     def _watch(self, address: str) -> None:
