@@ -8,12 +8,11 @@ from a worker that does not hold the generation is expected, not an error.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 
 import grpc
 
-from tokenmesh.retry import Backoff, describe, retry_call
+from tokenmesh.retry import Backoff, Reconnect, describe
 from tokenmesh.v1 import inference_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -23,8 +22,9 @@ ABANDON_DEADLINE_S = 60.0
 worker gets the cancel when it runs again, and does not go on generating a stream that moved elsewhere."""
 
 _ASK_ALL = Backoff(initial_s=0.05, max_s=1.0, warn_after=1000)
-"""Cancel asked of every worker: the caller hears which could not be asked, so no warning per Cancel."""
+"""Cancel asked of every worker: its caller hears which could not be asked, so no warning per Cancel."""
 _ABANDON = Backoff(initial_s=0.1, max_s=5.0)
+"""Cancel of an abandoned generation: nobody hears of a failure, so a worker that keeps failing is warned of."""
 
 
 class WorkerCancels:
@@ -52,22 +52,25 @@ class WorkerCancels:
         stub = self._stubs[address]
         loop = asyncio.get_running_loop()
         request = inference_pb2.CancelRequest(request_id=request_id)
+        reconnect = Reconnect("cancel", address, backoff, log, loud=False)
 
         async def attempt() -> None:
             await stub.Cancel(request, timeout=max(0.001, deadline - loop.time()))
 
         try:
-            # The deadline also cuts a wait between attempts short (tenacity checks it only after one).
+            # The one deadline ends the attempts and the waits between them alike.
             async with asyncio.timeout_at(deadline):
-                within = dataclasses.replace(backoff, deadline_s=max(0.0, deadline - loop.time()))
-                await retry_call("cancel", address, attempt, within, log, loud=False)
+                await reconnect.run(attempt)
             return True
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it does not hold it
                 failures.append(f"{address} ({describe(exc)})")
             return False
         except TimeoutError:
-            failures.append(f"{address} (no answer in time)")
+            failures.append(f"{address} ({reconnect.last_error or 'no answer'} until the deadline)")
+            return False
+        except grpc.aio.UsageError:  # its channel is closed: the router is stopping
+            failures.append(f"{address} (the router is stopping)")
             return False
 
     def abandon(self, address: str, request_id: str) -> None:
@@ -77,6 +80,11 @@ class WorkerCancels:
         deadline = asyncio.get_running_loop().time() + ABANDON_DEADLINE_S
         failures: list[str] = []
         self._keep(asyncio.create_task(self._ask(address, request_id, deadline, _ABANDON, failures)))
+
+    def close(self) -> None:
+        """Stop the cancels still in flight (the router is stopping; its channels close next)."""
+        for task in self._background:
+            task.cancel()
 
     async def everywhere(self, request_id: str, timeout_s: float) -> tuple[bool, list[str]]:
         """Ask every worker at once to stop request_id, within timeout_s.

@@ -36,7 +36,16 @@ __all__ = ["ControlServicer", "Router", "RouterConfig", "RouterServicer"]
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """Operator API."""
+    """Operator API.
+
+    Args:
+        pool: the workers and the table in force.
+        admission: the queue (its length is in the table).
+
+    """
+
+    _pool: WorkerPool
+    _admission: Admission
 
     def __init__(self, pool: WorkerPool, admission: Admission) -> None:
         self._pool = pool
@@ -242,6 +251,7 @@ class Router(Service):
 
     async def _close(self) -> None:
         self.inference.spares.close()
+        self.inference.cancels.close()
         for channel in self._channels.values():
             await channel.close()
         for sibling in self._siblings:
