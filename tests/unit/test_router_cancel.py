@@ -14,7 +14,7 @@ import pytest
 
 from tokenmesh.router.service import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
-from tokenmesh.worker.service import Worker, WorkerConfig
+from tokenmesh.worker import Worker, WorkerConfig
 
 from .conftest import InProcessMesh, wait_until
 from .fakes import FakeBackend
