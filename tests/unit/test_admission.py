@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -33,11 +34,18 @@ def queued(mesh: InProcessMesh) -> int:
     return len(mesh.router.admission.waiting)
 
 
+def level_now(mesh: InProcessMesh, index: int) -> float:
+    """The effective (aged) level of the index-th waiter."""
+    admission = mesh.router.admission
+    return admission._effective(admission.waiting[index], time.monotonic())[0]
+
+
 async def test_router_never_sends_a_worker_more_than_its_limit(mesh: InProcessMesh) -> None:
     calls = await fill(mesh)
     extra = [mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"extra{i}", max_tokens=2))
              for i in range(4)]
     await wait_until(lambda: queued(mesh) == 4)  # they wait in the router, not on the workers
+    # Nothing should change now; 0.2 s is ample for a wrongly granted slot to reach a worker on loopback.
     await asyncio.sleep(0.2)
     assert [w.servicer.in_flight for w in mesh.workers] == [4, 4]
     table = await mesh.operator.GetRoutingTable(router_pb2.GetRoutingTableRequest())
@@ -76,7 +84,8 @@ async def test_low_priority_cannot_starve() -> None:
             prompt="low", max_tokens=2, priority=inference_pb2.PRIORITY_LOW))
         low_read = asyncio.create_task(low.read())
         await wait_until(lambda: queued(mesh) == 1)
-        await asyncio.sleep(0.5)  # aged by about 5 levels: above any HIGH that arrives now
+        # Aged from LOW (1) by 4 levels, to 5: above a HIGH (3) arriving now, even once that one ages a level too.
+        await wait_until(lambda: level_now(mesh, 0) >= 5, timeout=5)
         high = mesh.inference.Generate(inference_pb2.GenerateRequest(
             prompt="high", max_tokens=2, priority=inference_pb2.PRIORITY_HIGH))
         high_read = asyncio.create_task(high.read())

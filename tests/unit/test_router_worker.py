@@ -190,7 +190,7 @@ async def test_worker_calls_are_opened_ahead_and_carry_the_callers_deadline(mesh
     # The call to the worker was opened before the caller came (no deadline of its own):
     # the caller's deadline reaches the engine through the start command.
     assert timeouts[0] is not None and 25 < timeouts[0] <= 30
-    spares = mesh.router.inference._spares
+    spares = mesh.router.inference.spares.open_calls
     assert len(spares) == 1  # for the worker that ran it, opened once its start was sent
     first = next(iter(spares.values()))
     assert not first.done()

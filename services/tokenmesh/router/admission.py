@@ -8,6 +8,11 @@ plus one level per ``aging_s`` waited, so LOW cannot starve. Among equals, the
 tenant (``labels["tenant"]``) with fewer generations running goes first, then
 the earliest. The queue is bounded in length and in wait; both answer
 RESOURCE_EXHAUSTED with a ``retry-after-ms`` hint in the trailers.
+
+Slots are handed out when they can change hands: when one is released, and
+when the pool reports a change (health, a weight table, a limit, a
+suspension's end). Aging only reorders the queue, so it needs no timer of its
+own: a waiter's level is computed when a slot is handed out.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tokenmesh.errors import ResourceExhausted
+from tokenmesh.errors import Cancelled, ResourceExhausted
 from tokenmesh.router.pool import WorkerEntry, WorkerPool
 from tokenmesh.v1 import inference_pb2
 
@@ -52,16 +57,33 @@ class Waiter:
 
 
 class Admission:
-    """Grants worker slots to generations, queueing them by priority when none is free."""
+    """Grants worker slots to generations, queueing them by priority when none is free.
+
+    Args:
+        pool: the workers; the admission subscribes to its changes.
+        max_queue: most generations waiting at once.
+        queue_timeout_s: longest wait (unless acquire is given its own).
+        aging_s: a waiter rises one level per this many seconds waited.
+
+    """
+
+    pool: WorkerPool
+    max_queue: int
+    queue_timeout_s: float
+    aging_s: float
+    waiting: list[Waiter]
+    running_by_tenant: Counter[str]
+    _order: itertools.count[int]
 
     def __init__(self, pool: WorkerPool, *, max_queue: int, queue_timeout_s: float, aging_s: float) -> None:
         self.pool = pool
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.aging_s = aging_s
-        self.waiting: list[Waiter] = []
-        self.running_by_tenant: Counter[str] = Counter()
+        self.waiting = []
+        self.running_by_tenant = Counter()
         self._order = itertools.count()
+        pool.subscribe(self.dispatch)
 
     def _effective(self, waiter: Waiter, now: float) -> tuple[float, int, int]:
         aged = waiter.level + int((now - waiter.enqueued) / self.aging_s)
@@ -73,14 +95,23 @@ class Admission:
         return max(100, min(30_000, 50 * (len(self.waiting) + 1)))
 
     async def acquire(
-        self, model: str, level: int, tenant: str, timeout_s: float | None = None, key: str = ""
+        self,
+        model: str,
+        level: int,
+        tenant: str,
+        timeout_s: float | None = None,
+        key: str = "",
+        abandon: asyncio.Future[None] | None = None,
     ) -> WorkerEntry:
         """A worker slot for model (its in_flight already counted); wait in the queue if none is free.
 
         Raises Unavailable when no live worker serves the model at all (unless
         level is FAILOVER, which waits for one), ResourceExhausted when the
-        queue is full or the wait times out.
+        queue is full or the wait (timeout_s, default queue_timeout_s) runs out,
+        Cancelled once ``abandon`` is done (the generation was cancelled).
         """
+        if abandon is not None and abandon.done():
+            raise Cancelled("cancelled before it got a worker")
         if level < FAILOVER:
             self.pool.require_live(model)
         now = time.monotonic()
@@ -96,19 +127,24 @@ class Admission:
             )
         waiter = Waiter(model, key, level, tenant, now, next(self._order))
         self.waiting.append(waiter)
-        wait = self.queue_timeout_s if timeout_s is None else min(timeout_s, self.queue_timeout_s)
+        wait = self.queue_timeout_s if timeout_s is None else timeout_s
         try:
-            entry = await asyncio.wait_for(asyncio.shield(waiter.granted), wait)
-        except TimeoutError:
-            if waiter.granted.done():  # granted just as the wait ran out: keep it
-                entry = waiter.granted.result()
-            else:
+            await asyncio.wait((waiter.granted,) if abandon is None else (waiter.granted, abandon), timeout=wait,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if abandon is not None and abandon.done():
+                if waiter.granted.done():  # granted in the same turn: give the slot to the next waiter
+                    self.release(waiter.granted.result(), tenant)
+                raise Cancelled("cancelled while waiting for a worker slot")
+            if not waiter.granted.done():
                 hint = self._retry_hint_ms()
                 raise ResourceExhausted(
                     f"no worker slot for {model!r} within {wait:g} s ({len(self.waiting)} waiting); "
                     f"retry in about {hint} ms",
                     trailers=(("retry-after-ms", str(hint)),),
-                ) from None
+                )
+            entry = waiter.granted.result()
+        except (Cancelled, ResourceExhausted):
+            raise
         except BaseException:
             if waiter.granted.done() and not waiter.granted.cancelled():
                 self.release(waiter.granted.result(), tenant)  # granted, but the caller is gone
@@ -132,7 +168,7 @@ class Admission:
         self.dispatch()
 
     def dispatch(self) -> None:
-        """Grant free slots to waiters, best first (also call when weights or limits change)."""
+        """Grant free slots to waiters, best first (on a release, and on every change the pool reports)."""
         now = time.monotonic()
         for waiter in sorted(self.waiting, key=lambda w: self._effective(w, now), reverse=True):
             if waiter.granted.done():
@@ -142,10 +178,3 @@ class Admission:
                 continue  # none free for this model; others may serve other models
             self.waiting.remove(waiter)
             waiter.granted.set_result(self._grant(entry, waiter.tenant))
-
-    async def run_dispatcher(self, interval_s: float = 0.1) -> None:
-        """Re-dispatch now and then: slots also free up when weights, health or limits change."""
-        while True:
-            await asyncio.sleep(interval_s)
-            if self.waiting:
-                self.dispatch()

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmesh.config import check, csv, setting
+from tokenmesh.router._tables import address_error
 from tokenmesh.router.pool import POLICIES
+
+DISCOVERY = ("static", "prober")
+"""Where a router's workers come from (RouterConfig.discovery)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,6 +19,8 @@ class RouterConfig:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50051, "gRPC port; 0 picks a free one")
     workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated", parse=csv)
+    discovery: str = setting("static", "where workers come from: static (only --workers; a weight table naming "
+                                       "another worker is refused) or prober (the prober's tables may add workers)")
     default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset")
     max_prompt_bytes: int = setting(1024 * 1024, "largest prompt (or sum of message contents) accepted, in bytes")
     ttft_timeout_s: float = setting(30.0, "a worker that sends no first chunk within this is failed over")
@@ -52,5 +58,11 @@ class RouterConfig:
         check(1 <= self.processes <= 64, f"processes must be 1..64, got {self.processes}")
         check(0 <= self.process_index < self.processes,
               f"process_index must be 0..{self.processes - 1}, got {self.process_index}")
+        check(self.discovery in DISCOVERY,
+              f"discovery must be one of {', '.join(DISCOVERY)}, got {self.discovery!r}")
         for address in self.workers:
-            check(":" in address, f"worker address {address!r} must be host:port")
+            problem = address_error(address)
+            check(not problem, f"worker address {address!r}: {problem}")
+        check(bool(self.workers) or self.discovery == "prober",
+              "give at least one worker (--workers host:port,...), or --discovery prober to learn them from "
+              "the prober's weight tables")

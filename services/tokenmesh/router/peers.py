@@ -17,7 +17,9 @@ import os
 from pathlib import Path
 
 import grpc
+import tenacity
 
+from tokenmesh.retry import Reconnect, StreamEnded
 from tokenmesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -27,7 +29,24 @@ FORWARDED = ("tokenmesh-forwarded", "1")
 
 
 class Peers:
-    """The sibling processes of this router, and the weight tables passed on to them."""
+    """The sibling processes of this router, and the weight tables passed on to them.
+
+    Args:
+        directory: the folder where each process lists its private address.
+        index: this process's index (0 started the others).
+        count: how many processes the router runs.
+
+    """
+
+    directory: Path
+    index: int
+    count: int
+    _latest: router_pb2.WeightTable | None
+    """The newest table from the prober, which every sibling gets."""
+    _links: dict[int, asyncio.Task[None]]
+    """Per sibling, the task that keeps a weight stream to it."""
+    _wake: dict[int, asyncio.Event]
+    """Per sibling, set when there is a newer table to send."""
 
     def __init__(self, directory: Path, index: int, count: int) -> None:
         self.directory = directory
@@ -61,52 +80,80 @@ class Peers:
         return found
 
     async def wait_listed(self, timeout_s: float) -> None:
-        """Until every sibling has listed itself; TimeoutError after timeout_s."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while len(self.addresses()) < self.count - 1:
-            if loop.time() > deadline:
-                raise TimeoutError(f"{len(self.addresses()) + 1} of {self.count} router processes started")
-            await asyncio.sleep(0.05)
+        """Until every sibling has listed itself; TimeoutError after timeout_s.
+
+        The siblings tell nothing but their files (a folder has no event to
+        wait on without inotify), so the folder is looked at again with a
+        growing wait, 10 ms up to 200 ms, within the one deadline.
+        """
+        waiting = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_result(lambda listed: listed < self.count - 1),
+            wait=tenacity.wait_exponential(multiplier=0.01, max=0.2),
+            stop=tenacity.stop_after_delay(timeout_s),
+        )
+
+        async def listed() -> int:
+            return len(self.addresses())
+
+        try:
+            await waiting(listed)
+        except tenacity.RetryError:
+            raise TimeoutError(f"{len(self.addresses()) + 1} of {self.count} router processes started "
+                               f"within {timeout_s:g} s") from None
 
     def forward(self, table: router_pb2.WeightTable) -> None:
         """Pass a table from the prober on to every sibling (the newest wins if they lag)."""
         self._latest = table
         for index in self.addresses():
-            if index not in self._links:
+            link = self._links.get(index)
+            if link is None or link.done():  # a link ends only on a permanent error (logged): try it afresh
                 self._wake[index] = asyncio.Event()
                 self._links[index] = asyncio.create_task(self._link(index))
+                self._links[index].add_done_callback(_logged_already)
             self._wake[index].set()
 
     async def _link(self, index: int) -> None:
-        """One weight stream to a sibling, reopened when it breaks."""
+        """One weight stream to a sibling, reopened through the retry policy when it breaks."""
         wake = self._wake[index]
-        while True:
+        reconnect = Reconnect("weight forward", f"router process {index}", logger=log)
+
+        async def session() -> None:
             address = self.addresses().get(index)
             if address is None:
-                await asyncio.sleep(0.5)
-                continue
-            try:
-                async with grpc.aio.insecure_channel(address) as channel:
-                    call = router_pb2_grpc.ControlStub(channel).PushWeights(metadata=(FORWARDED,))
-                    sent = 0
-                    while True:
-                        await wake.wait()
-                        wake.clear()
-                        table = self._latest
-                        if table is not None and table.version > sent:
-                            await call.write(table)
-                            await call.read()  # the ack: one table in flight per sibling
-                            sent = table.version
-            except grpc.aio.AioRpcError as exc:
-                log.warning("router process %d unreachable at %s (%s); retrying", index, address, exc.code().name)
-                wake.set()  # resend the latest once it is back
-                await asyncio.sleep(0.5)
+                raise ConnectionError(f"router process {index} is not listed (restarting?)")
+            async with grpc.aio.insecure_channel(address) as channel:
+                call = router_pb2_grpc.ControlStub(channel).PushWeights(metadata=(FORWARDED,))
+                # A stream that breaks while no table is due wakes the link too: the sibling
+                # restarted, and gets the latest table as soon as it is back, not with the next one.
+                call.add_done_callback(lambda _: wake.set())
+                sent = 0  # a new stream: the latest table goes again
+                while True:
+                    # Cleared before the table is read: one forwarded meanwhile sets it again.
+                    wake.clear()
+                    if call.done():
+                        await call.read()  # raises the stream's status (UNAVAILABLE when the sibling stopped)
+                        raise StreamEnded(f"router process {index} ended the weight stream")
+                    table = self._latest
+                    if table is not None and table.version > sent:
+                        await call.write(table)
+                        if await call.read() is grpc.aio.EOF:  # the ack: one table in flight per sibling
+                            raise StreamEnded(f"router process {index} ended the weight stream")
+                        reconnect.connected()
+                        sent = table.version
+                    await wake.wait()
+
+        await reconnect.run(session)
 
     async def close(self) -> None:
         """Stop passing tables on."""
         for task in self._links.values():
             task.cancel()
         for task in self._links.values():
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # a failed link logged its error
                 await task
+
+
+def _logged_already(task: asyncio.Task[None]) -> None:
+    """Take a finished link's error: Reconnect logged it (without this, asyncio would again at exit)."""
+    if not task.cancelled():
+        task.exception()

@@ -13,14 +13,16 @@ flight per unit of weight wins (ties: the one that served fewer).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmesh.errors import NotFound, Unavailable
-from tokenmesh.v1 import inference_pb2, router_pb2
+from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
 
 
 @dataclass(eq=False)
@@ -43,6 +45,8 @@ class WorkerEntry:
     suspended_until: float = 0.0
     """time.monotonic() until which this router avoids the worker (after it failed a stream)."""
     suspended_reason: str = ""
+    suspension_end: asyncio.TimerHandle | None = field(default=None, repr=False)
+    """Ends the suspension on time and tells the pool's listeners (a waiter may take the worker then)."""
 
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
@@ -70,20 +74,52 @@ def prefix_key(request: inference_pb2.GenerateRequest, min_chars: int = 256, pro
 
 
 class WorkerPool:
-    """Workers by address, the weight table in force, and the pick."""
+    """Workers by address, the weight table in force, and the pick.
+
+    Every change that can make a worker pickable (health, a table, a limit,
+    a suspension's end) is told to the listeners (:meth:`subscribe`): the
+    admission queue hands out slots then, so nothing has to look periodically.
+
+    Args:
+        rng: the random draws of the pick (seeded in tests).
+        policy: one of POLICIES.
+        share: (this process, processes): a router run as N processes splits each worker's limit N ways.
+
+    """
+
+    entries: dict[str, WorkerEntry]
+    policy: str
+    share: tuple[int, int]
+    version: int
+    """Version of the table in force (0: none yet)."""
+    received_at: float
+    """time.time() when that table arrived."""
+    propagation_ms: float
+    """From the prober's decision to this router applying the table in force."""
+    _turn: int
+    _rng: random.Random
+    _listeners: list[Callable[[], None]]
 
     def __init__(
         self, rng: random.Random | None = None, policy: str = "prefix", share: tuple[int, int] = (0, 1)
     ) -> None:
-        self.entries: dict[str, WorkerEntry] = {}
+        self.entries = {}
         self.policy = policy
         self.share = share
-        """(this process, processes): a router run as N processes splits each worker's limit N ways."""
         self._turn = 0
         self.version = 0
         self.received_at = 0.0
         self.propagation_ms = 0.0
         self._rng = rng or random.Random()
+        self._listeners = []
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call listener after every change that can make a worker pickable."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     def add(self, address: str) -> WorkerEntry:
         """The entry for address, created if new."""
@@ -98,19 +134,51 @@ class WorkerPool:
             return 0.0
         return entry.weight if self.version else 1.0
 
+    def set_health(
+        self, entry: WorkerEntry, serving: bool, reason: str, described: worker_pb2.DescribeResponse | None = None
+    ) -> None:
+        """What the router's own health watch sees of a worker: serving or not, why, and its Describe."""
+        if described is not None:
+            entry.models = {m.name: m for m in described.models}
+            entry.triton_url = described.triton_url
+            if not entry.limit or not self.version:  # a table's limit wins once one is in force
+                entry.limit = described.concurrency_limit
+        entry.healthy = serving
+        if not self.version:  # and so does a table's reason
+            entry.reason = reason
+        self._changed()
+
     def suspend(self, entry: WorkerEntry, seconds: float, reason: str) -> None:
         """Avoid entry for a while: it just failed a stream (faster than the prober can tell)."""
         entry.suspended_until = time.monotonic() + seconds
         entry.suspended_reason = reason
+        if entry.suspension_end is not None:
+            entry.suspension_end.cancel()
+            entry.suspension_end = None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside a loop (a test of the pick) nothing can be waiting for the worker
+            return
+        entry.suspension_end = loop.call_later(seconds, self._end_suspension, entry)
+
+    def _end_suspension(self, entry: WorkerEntry) -> None:
+        entry.suspension_end = None
+        # The timer decides, not a clock read: time.monotonic() may still be a hair before suspended_until.
+        entry.suspended_until = 0.0
+        entry.suspended_reason = ""
+        self._changed()
 
     def apply(self, table: router_pb2.WeightTable) -> bool:
-        """Use table if it is newer than the one in force; return whether it was applied."""
+        """Use table if it is newer than the one in force; return whether it was applied.
+
+        The table has passed ``check_table`` (router/_tables.py): weights in [0, 1], addresses host:port.
+        """
         if table.version <= self.version:
             return False
         listed = set()
         for w in table.workers:
             entry = self.add(w.address)
-            entry.weight = max(0.0, min(1.0, w.weight))
+            entry.weight = w.weight
             entry.state = w.state
             entry.reason = w.reason
             if w.triton_url:
@@ -126,6 +194,7 @@ class WorkerPool:
         self.received_at = time.time()
         if table.HasField("decided_at"):
             self.propagation_ms = max(0.0, (self.received_at - table.decided_at.ToNanoseconds() / 1e9) * 1000)
+        self._changed()  # weights and limits changed
         return True
 
     def models(self) -> dict[str, tuple[inference_pb2.ModelInfo, int]]:

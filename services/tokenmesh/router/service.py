@@ -21,6 +21,7 @@ from tokenmesh.config import env_name
 from tokenmesh.lifecycle import Service
 from tokenmesh.process import dies_with_parent, stop_process
 from tokenmesh.retry import Reconnect, StreamEnded
+from tokenmesh.router._tables import check_table
 from tokenmesh.router.admission import Admission
 from tokenmesh.router.config import RouterConfig
 from tokenmesh.router.inference import InferenceServicer
@@ -35,7 +36,16 @@ __all__ = ["ControlServicer", "Router", "RouterConfig", "RouterServicer"]
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """Operator API."""
+    """Operator API.
+
+    Args:
+        pool: the workers and the table in force.
+        admission: the queue (its length is in the table).
+
+    """
+
+    _pool: WorkerPool
+    _admission: Admission
 
     def __init__(self, pool: WorkerPool, admission: Admission) -> None:
         self._pool = pool
@@ -52,28 +62,49 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 class ControlServicer(router_pb2_grpc.ControlServicer):
-    """Weight tables from the prober; each version acked."""
+    """Weight tables from the prober; each version checked whole, then applied and acked.
+
+    Args:
+        pool: the workers; tables are applied to it.
+        on_new_worker: gets each address a table adds (only with --discovery prober).
+        allowed: the workers a table may name (None: any, with --discovery prober).
+        peers: the sibling processes to pass tables on to (--processes > 1).
+
+    """
+
+    _pool: WorkerPool
+    _new_workers: asyncio.Queue[str]
+    _allowed: frozenset[str] | None
+    _peers: Peers | None
 
     def __init__(
-        self, pool: WorkerPool, on_new_worker: asyncio.Queue[str], admission: Admission, peers: Peers | None = None
+        self,
+        pool: WorkerPool,
+        on_new_worker: asyncio.Queue[str],
+        allowed: frozenset[str] | None,
+        peers: Peers | None = None,
     ) -> None:
         self._pool = pool
         self._new_workers = on_new_worker
-        self._admission = admission
+        self._allowed = allowed
         self._peers = peers
 
     async def PushWeights(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[router_pb2.WeightTable], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[router_pb2.WeightAck]:
-        """Apply each newer table (and pass it on to sibling processes); ack every one."""
+        """Apply each newer table (and pass it on to sibling processes); ack every one.
+
+        A table with a bad entry (a weight outside [0, 1], a malformed address,
+        a worker --discovery static does not allow) is not applied at all: the
+        stream ends with INVALID_ARGUMENT naming the entry.
+        """
         from_sibling = FORWARDED in (context.invocation_metadata() or ())
         async for table in request_iterator:
+            check_table(table, self._allowed)
             known = set(self._pool.entries)
-            applied = self._pool.apply(table)
-            if applied:
-                self._admission.dispatch()  # weights or limits changed: waiters may go now
-                if self._peers is not None and not from_sibling:
-                    self._peers.forward(table)
+            applied = self._pool.apply(table)  # the admission hears of it from the pool
+            if applied and self._peers is not None and not from_sibling:
+                self._peers.forward(table)
             for address in set(self._pool.entries) - known:
                 self._new_workers.put_nowait(address)
             yield router_pb2.WeightAck(version=table.version, applied=applied)
@@ -130,7 +161,8 @@ class Router(Service):
         self.inference = InferenceServicer(config, self.pool, self._stubs, self.admission)
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool, self.admission), host.server)
-        control = ControlServicer(self.pool, self._new_workers, self.admission, self.peers)
+        allowed = frozenset(config.workers) if config.discovery == "static" else None
+        control = ControlServicer(self.pool, self._new_workers, allowed, self.peers)
         router_pb2_grpc.add_ControlServicer_to_server(control, host.server)
 
     def _watch(self, address: str) -> None:
@@ -143,7 +175,7 @@ class Router(Service):
         self.spawn(self._watch_worker(address, channel), f"health watch {address}")
 
     async def _watch_worker(self, address: str, channel: grpc.aio.Channel) -> None:
-        """Keep entry.healthy and entry.models current from Describe and health Watch."""
+        """Keep the pool's view of the worker's health and models current from health Watch and Describe."""
         entry = self.pool.entries[address]
         stub = self._stubs[address]
         health = health_pb2_grpc.HealthStub(channel)
@@ -154,22 +186,16 @@ class Router(Service):
                 async for update in health.Watch(health_pb2.HealthCheckRequest(service="")):
                     reconnect.connected()
                     serving = update.status == health_pb2.HealthCheckResponse.SERVING
+                    described = None
                     if serving:
                         # A worker that does not answer in time is tried again (TimeoutError is transient).
                         described = await asyncio.wait_for(stub.Describe(worker_pb2.DescribeRequest()), 5)
-                        entry.models = {m.name: m for m in described.models}
-                        entry.triton_url = described.triton_url
-                        if not entry.limit or not self.pool.version:
-                            entry.limit = described.concurrency_limit
-                    entry.healthy = serving
-                    if not self.pool.version:
-                        entry.reason = "health SERVING" if serving else "health NOT_SERVING"
+                    self.pool.set_health(entry, serving, "health SERVING" if serving else "health NOT_SERVING",
+                                         described)
                 raise StreamEnded("health stream ended")
             except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
-                entry.healthy = False
-                if not self.pool.version:
-                    name = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
-                    entry.reason = f"unreachable: {name}"
+                name = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+                self.pool.set_health(entry, False, f"unreachable: {name}")
                 raise
 
         await reconnect.run(session)
@@ -183,7 +209,6 @@ class Router(Service):
         for address in self.config.workers:
             self._watch(address)
         self.spawn(self._add_workers(), "worker discovery")
-        self.spawn(self.admission.run_dispatcher(), "admission dispatcher")
         if self.peers is not None:
             self.peers.register(self.host.private_address)
             if self.config.process_index == 0:
@@ -225,7 +250,8 @@ class Router(Service):
             await asyncio.wait_for(self.inference.idle.wait(), self.drain_grace_s)
 
     async def _close(self) -> None:
-        self.inference.close_spares()
+        self.inference.spares.close()
+        self.inference.cancels.close()
         for channel in self._channels.values():
             await channel.close()
         for sibling in self._siblings:

@@ -1,0 +1,295 @@
+"""One attempt of a generation on one worker: start it, relay its chunks, tell a worker failure from a caller error.
+
+The per-chunk loop in :meth:`Relay.run` is the router's hot path: one read
+and one yield per worker event, no extra await, call layer or allocation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from tokenmesh.errors import CALLER_ERROR_CLASSES, from_generation_error, from_rpc_error
+from tokenmesh.router._cancels import WorkerCancels
+from tokenmesh.router._spares import Spares
+from tokenmesh.router.config import RouterConfig
+from tokenmesh.router.pool import WorkerEntry
+from tokenmesh.v1 import inference_pb2, worker_pb2
+
+CALLER_CODES = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED,
+})
+"""A worker's statuses that are about the request, not the worker: the caller gets them as they are, and the
+stream is not moved to another worker (any other status says the worker failed). RESOURCE_EXHAUSTED joins them
+once the worker has sent an event: then it says the caller reads too slowly (see :meth:`Relay.run`)."""
+
+
+class Live:
+    """A generation (or a resume) this router is streaming now.
+
+    Args:
+        resumed: a Resume stream (it follows a worker's generation with Attach; a Cancel goes to the workers).
+
+    """
+
+    call: grpc.aio.StreamStreamCall[Any, Any] | None
+    """The Worker/Generate call of the attempt in progress (None while none runs)."""
+    cancelled: asyncio.Future[None]
+    """Done once Inference/Cancel asked for it to stop (one waiting for a worker slot stops at once)."""
+    ended: asyncio.Event
+    """Set once the stream is torn down (a Resume of the same id waits for it)."""
+    resumed: bool
+
+    def __init__(self, *, resumed: bool = False) -> None:
+        self.call = None
+        self.cancelled = asyncio.get_running_loop().create_future()
+        self.ended = asyncio.Event()
+        self.resumed = resumed
+
+    def cancel(self) -> None:
+        """Inference/Cancel asks for the generation to stop."""
+        if not self.cancelled.done():
+            self.cancelled.set_result(None)
+
+
+class WorkerFailed(Exception):
+    """The worker could not run the generation; another worker may."""
+
+
+@dataclass
+class Progress:
+    """What of a generation has reached the caller (survives failover)."""
+
+    seq: int = 0
+    """Last seq sent."""
+    text: list[str] = field(default_factory=list)
+    """Text pieces sent, in order."""
+    tokens: int = 0
+    """Tokens sent."""
+    migrations: int = 0
+    """Times the generation moved to another worker after output began."""
+    started: float = field(default_factory=time.monotonic)
+    """When the router received the request."""
+    timing: inference_pb2.Timing = field(default_factory=inference_pb2.Timing)
+    """Where the time to the first token went (sent on the final chunk)."""
+
+
+def continuation(base: inference_pb2.GenerateRequest, progress: Progress) -> inference_pb2.GenerateRequest | None:
+    """The request that continues base after what progress delivered (None: nothing left to generate).
+
+    A raw prompt is extended by the delivered text; a chat gets it as (the end
+    of) a trailing assistant message, which the model continues. The seed and
+    every other setting stay; max_tokens shrinks by what was delivered.
+    """
+    if progress.seq == 0:
+        return base
+    remaining = base.max_tokens - progress.tokens
+    if remaining <= 0:
+        return None
+    forward = inference_pb2.GenerateRequest()
+    forward.CopyFrom(base)
+    forward.max_tokens = remaining
+    delivered = "".join(progress.text)
+    if base.messages:
+        if base.messages[-1].role == "assistant":
+            forward.messages[-1].content += delivered
+        else:
+            forward.messages.add(role="assistant", content=delivered)
+    else:
+        forward.prompt = base.prompt + delivered
+    return forward
+
+
+def chunk(event: worker_pb2.WorkerEvent, request_id: str, model: str) -> inference_pb2.GenerateChunk:
+    """The caller's chunk for a worker's chunk or end event (seq from the worker)."""
+    if event.WhichOneof("event") == "chunk":
+        return inference_pb2.GenerateChunk(
+            request_id=request_id, seq=event.seq, text=event.chunk.text, token_count=event.chunk.token_count,
+            model=model,
+        )
+    end = event.end
+    return inference_pb2.GenerateChunk(
+        request_id=request_id, seq=event.seq, token_count=end.token_count, finish_reason=end.finish_reason,
+        usage=end.usage, model=model,
+    )
+
+
+class StallWatchdog:
+    """Cancels a worker call that sends nothing for too long (then ``stalled`` says why).
+
+    One timer per stream that re-arms itself, instead of a timeout around
+    every read: a read per token is the router's hot path. Only time spent
+    waiting for a read counts: while the router waits for a slow caller, the
+    worker is not stalled.
+
+    Args:
+        call: the worker call to cancel on a stall.
+        first_s: longest wait for the first event.
+        between_s: longest wait between later events.
+
+    """
+
+    stalled: str
+    """Why the call was cancelled ('' while it was not)."""
+    _call: grpc.aio.StreamStreamCall[Any, Any]
+    _loop: asyncio.AbstractEventLoop
+    _limit: float
+    _between: float
+    _since: float
+    _reading: bool
+    _timer: asyncio.TimerHandle
+
+    def __init__(self, call: grpc.aio.StreamStreamCall[Any, Any], first_s: float, between_s: float) -> None:
+        self._call = call
+        self._loop = asyncio.get_running_loop()
+        self._limit = first_s
+        self._between = between_s
+        self._since = self._loop.time()
+        self._reading = True
+        self.stalled = ""
+        self._timer = self._loop.call_at(self._since + first_s, self._check)
+
+    def reading(self) -> None:
+        """A read begins: silence counts from now."""
+        self._since = self._loop.time()
+        self._reading = True
+
+    def fed(self) -> None:
+        """The read returned an event."""
+        self._reading = False
+        if self._limit != self._between:  # the first event: from the TTFT limit to the stall limit
+            self._limit = self._between
+            self._timer.cancel()
+            self._timer = self._loop.call_at(self._loop.time() + self._between, self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if not self._reading:  # the router is busy with the caller: look again later
+            self._timer = self._loop.call_at(now + self._limit, self._check)
+            return
+        due = self._since + self._limit
+        if now < due:
+            self._timer = self._loop.call_at(due, self._check)
+            return
+        self.stalled = f"stalled: no output for {self._limit:g} s"
+        self._call.cancel()
+
+    def stop(self) -> None:
+        """No more checks."""
+        self._timer.cancel()
+
+
+class Relay:
+    """Runs one attempt of a generation on one worker and relays its chunks.
+
+    Args:
+        config: the router's settings (the TTFT and stall limits).
+        spares: the Generate calls opened ahead, one per worker.
+        cancels: stops, on its worker, what an attempt leaves behind.
+
+    """
+
+    _ttft_timeout_s: float
+    _stall_timeout_s: float
+    _spares: Spares
+    _cancels: WorkerCancels
+
+    def __init__(self, config: RouterConfig, spares: Spares, cancels: WorkerCancels) -> None:
+        self._ttft_timeout_s = config.ttft_timeout_s
+        self._stall_timeout_s = config.stall_timeout_s
+        self._spares = spares
+        self._cancels = cancels
+
+    async def run(
+        self,
+        entry: WorkerEntry,
+        forward: inference_pb2.GenerateRequest,
+        live: Live,
+        context: grpc.aio.ServicerContext[Any, Any],
+        progress: Progress,
+        *,
+        resumable: bool,
+    ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
+        """Run forward on entry's worker, its chunks numbered after progress.seq.
+
+        Raises WorkerFailed when the worker is at fault (it died, stalled, or
+        reported a backend failure), so the caller's stream can continue
+        elsewhere. When the caller goes away from a resumable generation (one
+        with a caller-chosen request_id) the worker keeps it for Resume;
+        otherwise the worker is told to stop.
+        """
+        call = self._spares.take(entry.address)
+        live.call = call
+        watchdog = StallWatchdog(call, self._ttft_timeout_s, self._stall_timeout_s)
+        received = False
+        finished = False
+        detach = False
+        start = worker_pb2.WorkerCommand(
+            start=forward, first_seq=progress.seq + 1, tokens_before=progress.tokens, resumable=resumable
+        )
+        remaining = context.time_remaining()
+        if remaining is not None:
+            start.timeout_s = remaining
+        try:
+            await call.write(start)
+            self._spares.open(entry.address)  # for the next generation, while this one waits for its first token
+            if live.cancelled.done():  # Cancel came while the start was on its way
+                await call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
+            while True:
+                watchdog.reading()
+                event = await call.read()
+                if event is grpc.aio.EOF:
+                    raise WorkerFailed("worker closed the stream without an end")
+                watchdog.fed()
+                received = True
+                kind = event.WhichOneof("event")
+                if kind == "error":
+                    finished = True
+                    if event.error.error_class in CALLER_ERROR_CLASSES:
+                        raise from_generation_error(event.error)
+                    raise WorkerFailed(event.error.message)
+                if event.seq != progress.seq + 1:
+                    raise WorkerFailed(f"worker sent seq {event.seq}, expected {progress.seq + 1}")
+                if event.seq == 1:
+                    if event.chunk.HasField("engine_ttft_ms"):
+                        progress.timing.engine_ttft_ms = event.chunk.engine_ttft_ms
+                    progress.timing.router_ttft_ms = (time.monotonic() - progress.started) * 1000
+                progress.seq = event.seq
+                if kind == "chunk":
+                    progress.text.append(event.chunk.text)
+                    progress.tokens += event.chunk.token_count
+                    yield chunk(event, forward.request_id, forward.model)
+                    continue
+                finished = True
+                entry.served_total += 1
+                final = chunk(event, forward.request_id, forward.model)
+                final.migrations = progress.migrations
+                final.timing.CopyFrom(progress.timing)
+                yield final
+                return
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            # Before the first event RESOURCE_EXHAUSTED is the worker at its limit (run it elsewhere);
+            # mid-stream it is the caller reading too slowly (the worker's replay buffer overflowed).
+            if code in CALLER_CODES or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and received):
+                raise from_rpc_error(exc) from exc
+            raise WorkerFailed(f"{code.name}: {exc.details()}") from exc
+        except asyncio.CancelledError:
+            if watchdog.stalled:
+                raise WorkerFailed(watchdog.stalled) from None
+            detach = resumable  # the caller went away
+            raise
+        except GeneratorExit:
+            detach = resumable  # the caller went away
+            raise
+        finally:
+            watchdog.stop()
+            live.call = None
+            call.cancel()
+            if not finished and not detach:
+                self._cancels.abandon(entry.address, forward.request_id)
