@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used to document the configuration)."""
     from tokenmesh.bench.command import add_arguments as add_bench_arguments
     from tokenmesh.prober import ProberConfig
-    from tokenmesh.router.service import RouterConfig
+    from tokenmesh.router import RouterConfig
     from tokenmesh.worker import WorkerConfig
 
     parser = argparse.ArgumentParser(
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_service(args: argparse.Namespace) -> int:
     from tokenmesh.prober import Prober
-    from tokenmesh.router.service import Router
+    from tokenmesh.router import Router
     from tokenmesh.worker import Worker
 
     service: Any = {"router": Router, "worker": Worker, "prober": Prober}[args.command]

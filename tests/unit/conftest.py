@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tokenmesh.router.service import Router, RouterConfig
+from tokenmesh.router import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2_grpc, router_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
 

@@ -7,8 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tokenmesh.router.inference import InferenceServicer
-from tokenmesh.router.service import ControlServicer, RouterServicer
+from tokenmesh.router import ControlServicer, InferenceServicer, RouterServicer
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
 from tokenmesh.worker import WorkerServicer
 

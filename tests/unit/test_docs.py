@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenmesh.config import env_name
 from tokenmesh.prober import ProberConfig
-from tokenmesh.router.service import RouterConfig
+from tokenmesh.router import RouterConfig
 from tokenmesh.worker import WorkerConfig
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()

@@ -9,7 +9,7 @@ import pytest
 from tokenmesh.config import ConfigError, add_arguments, from_namespace
 from tokenmesh.errors import classify_backend_message
 from tokenmesh.mesh import MeshConfig
-from tokenmesh.router.service import RouterConfig
+from tokenmesh.router import RouterConfig
 from tokenmesh.v1 import worker_pb2
 from tokenmesh.worker import WorkerConfig
 

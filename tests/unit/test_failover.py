@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from tokenmesh.router.service import Router, RouterConfig
+from tokenmesh.router import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
 from tokenmesh.worker import Worker, WorkerConfig
 

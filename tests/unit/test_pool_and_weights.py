@@ -9,7 +9,7 @@ import pytest
 
 from tokenmesh.errors import NotFound, Unavailable
 from tokenmesh.prober import MIN_WEIGHT, Scoring, WorkerView, compute_weight
-from tokenmesh.router.pool import WorkerPool
+from tokenmesh.router import WorkerPool
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
 
 
@@ -179,7 +179,7 @@ def chat(system: str, user: str = "hi") -> inference_pb2.GenerateRequest:
 
 
 def test_prefix_keys() -> None:
-    from tokenmesh.router.pool import prefix_key
+    from tokenmesh.router import prefix_key
 
     long_system = "You are a careful assistant. " * 20
     assert prefix_key(chat(long_system, "a")) == prefix_key(chat(long_system, "b")) != ""

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from tokenmesh.router.service import Router, RouterConfig
+from tokenmesh.router import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
 

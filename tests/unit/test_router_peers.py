@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tokenmesh.router.peers import FORWARDED, Peers
+from tokenmesh.router import FORWARDED, Peers
 from tokenmesh.v1 import router_pb2, router_pb2_grpc
 
 from .conftest import wait_until

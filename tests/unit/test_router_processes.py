@@ -7,8 +7,7 @@ import asyncio
 import grpc
 
 from tokenmesh.prober import Prober, ProberConfig
-from tokenmesh.router.pool import WorkerEntry, WorkerPool
-from tokenmesh.router.service import Router, RouterConfig
+from tokenmesh.router import Router, RouterConfig, WorkerEntry, WorkerPool
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
 

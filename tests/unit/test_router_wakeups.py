@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from tokenmesh.router.pool import WorkerPool
+from tokenmesh.router import WorkerPool
 from tokenmesh.v1 import inference_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 from .conftest import InProcessMesh, in_process_mesh, wait_until

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from tokenmesh.config import ConfigError
-from tokenmesh.router.service import RouterConfig
+from tokenmesh.router import RouterConfig
 from tokenmesh.v1 import inference_pb2, router_pb2, router_pb2_grpc
 
 from .conftest import InProcessMesh, in_process_mesh

@@ -16,9 +16,9 @@ import grpc
 
 from tokenmesh.errors import CALLER_ERROR_CLASSES, from_generation_error, from_rpc_error
 from tokenmesh.router._cancels import WorkerCancels
+from tokenmesh.router._config import RouterConfig
+from tokenmesh.router._pool import WorkerEntry
 from tokenmesh.router._spares import Spares
-from tokenmesh.router.config import RouterConfig
-from tokenmesh.router.pool import WorkerEntry
 from tokenmesh.v1 import inference_pb2, worker_pb2
 
 CALLER_CODES = frozenset({

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from tokenmesh.errors import InvalidArgument
-from tokenmesh.router.pool import WorkerPool
+from tokenmesh.router._pool import WorkerPool
 from tokenmesh.v1 import inference_pb2
 
 ROLES = frozenset({"system", "user", "assistant"})

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmesh.config import check, csv, setting
+from tokenmesh.router._pool import POLICIES
 from tokenmesh.router._tables import address_error
-from tokenmesh.router.pool import POLICIES
 
 DISCOVERY = ("static", "prober")
 """Where a router's workers come from (RouterConfig.discovery)."""

@@ -28,13 +28,13 @@ from tokenmesh.errors import (
     from_generation_error,
     from_rpc_error,
 )
+from tokenmesh.router._admission import FAILOVER, Admission, level
 from tokenmesh.router._cancels import WorkerCancels
+from tokenmesh.router._config import RouterConfig
+from tokenmesh.router._pool import WorkerEntry, WorkerPool, prefix_key
 from tokenmesh.router._relay import CALLER_CODES, Live, Progress, Relay, WorkerFailed, chunk, continuation
 from tokenmesh.router._spares import Spares
 from tokenmesh.router._validation import validate
-from tokenmesh.router.admission import FAILOVER, Admission, level
-from tokenmesh.router.config import RouterConfig
-from tokenmesh.router.pool import WorkerEntry, WorkerPool, prefix_key
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

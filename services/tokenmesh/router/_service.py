@@ -21,18 +21,17 @@ from tokenmesh.config import env_name
 from tokenmesh.lifecycle import Service
 from tokenmesh.process import dies_with_parent, stop_process
 from tokenmesh.retry import Reconnect, StreamEnded
+from tokenmesh.router._admission import Admission
+from tokenmesh.router._config import RouterConfig
+from tokenmesh.router._inference import InferenceServicer
+from tokenmesh.router._peers import FORWARDED, Peers
+from tokenmesh.router._pool import WorkerPool
 from tokenmesh.router._tables import check_table
-from tokenmesh.router.admission import Admission
-from tokenmesh.router.config import RouterConfig
-from tokenmesh.router.inference import InferenceServicer
-from tokenmesh.router.peers import FORWARDED, Peers
-from tokenmesh.router.pool import WorkerPool
 from tokenmesh.server import WORKER_CHANNEL_OPTIONS, ServiceHost, write_ready_file
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ControlServicer", "Router", "RouterConfig", "RouterServicer"]
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

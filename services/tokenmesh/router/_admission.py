@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tokenmesh.errors import Cancelled, ResourceExhausted
-from tokenmesh.router.pool import WorkerEntry, WorkerPool
+from tokenmesh.router._pool import WorkerEntry, WorkerPool
 from tokenmesh.v1 import inference_pb2
 
 FAILOVER = 4
