@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tokenmesh.v1 import worker_pb2
 
@@ -190,7 +191,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps :class:`MeshError` raised by any handler to its gRPC status.
 
     Handlers raise; they never build statuses themselves. Works for all four
-    call shapes, also for errors raised mid-stream.
+    call shapes, also for errors raised mid-stream. A request message that
+    does not parse is INVALID_ARGUMENT naming its type (gRPC itself would
+    answer UNKNOWN before any handler ran).
     """
 
     async def intercept_service(
@@ -202,31 +205,68 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+        deserializer = _lenient(handler.request_deserializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                _wrap_unary(handler.unary_unary, streamed=False),
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                _wrap_stream(handler.unary_stream, streamed=False),
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
+                _wrap_stream(handler.stream_stream, streamed=True),
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary),
-                request_deserializer=handler.request_deserializer,
+                _wrap_unary(handler.stream_unary, streamed=True),
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+
+class _Undecodable:
+    """Stands in for a request message that did not parse; the handler never sees it."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """The deserializer, returning an _Undecodable instead of raising on bytes that do not parse."""
+    if deserializer is None:
+        return None
+    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    name = descriptor.full_name if descriptor is not None else "request message"
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return _Undecodable(f"the request is not a valid {name} ({exc}); send a serialized {name}")
+
+    return parse
+
+
+def _check(request: Any) -> Any:
+    if type(request) is _Undecodable:
+        raise InvalidArgument(request.message)
+    return request
+
+
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _check(request)
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: MeshError) -> None:
@@ -235,24 +275,24 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: MeshError) 
     await context.abort(error.grpc_code, error.message)
 
 
-def _wrap_unary(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(behaviour: Callable[..., Awaitable[Any]], *, streamed: bool) -> Callable[..., Awaitable[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
-            return await behaviour(request, context)
+            return await behaviour(_checked(request) if streamed else _check(request), context)
         except MeshError as error:
             await _abort(context, error)
 
     return wrapped
 
 
-def _wrap_stream(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_stream(behaviour: Callable[..., Any], *, streamed: bool) -> Callable[..., Any]:
     if not inspect.isasyncgenfunction(behaviour):
         # Handlers that stream with `await context.write(...)` are coroutines.
-        return _wrap_unary(behaviour)
+        return _wrap_unary(behaviour, streamed=streamed)
 
     async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
-            async for response in behaviour(request, context):
+            async for response in behaviour(_checked(request) if streamed else _check(request), context):
                 yield response
         except MeshError as error:
             await _abort(context, error)

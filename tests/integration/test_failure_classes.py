@@ -117,7 +117,7 @@ def test_killed_triton_is_restarted_and_weight_recovers(faulty: MeshHandle) -> N
     # Killed while generating: a busy stub is the one that outlived its Triton.
     channel = grpc.insecure_channel(worker.address)
     start = worker_pb2.WorkerCommand(start=inference_pb2.GenerateRequest(
-        prompt="long", max_tokens=3000, ignore_eos=True, request_id="killed-mid-generation"))
+        prompt="long", max_tokens=1000, ignore_eos=True, request_id="killed-mid-generation"))  # 5 s at 5 ms/token
     running = worker_pb2_grpc.WorkerStub(channel).Generate(iter([start]), timeout=60)
     assert next(running).HasField("chunk")
     os.kill(old_pid, signal.SIGKILL)

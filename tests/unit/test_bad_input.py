@@ -95,6 +95,17 @@ def raw_unary(path: str, body: bytes, on_worker: bool = False) -> Callable[[InPr
     return send
 
 
+def raw_stream(path: str, body: bytes, on_worker: bool = False) -> Callable[[InProcessMesh], Awaitable[Any]]:
+    async def send(mesh: InProcessMesh) -> Any:
+        address = mesh.workers[0].host.address if on_worker else mesh.router.host.address
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = channel.stream_stream(path)(timeout=5)
+            await call.write(body)
+            await call.done_writing()
+            return await read_rest(call)
+    return send
+
+
 # -- Control -----------------------------------------------------------------------------------------------------
 
 
@@ -221,17 +232,17 @@ CASES: dict[str, dict[str, Case]] = {
         "worker-generate-unknown-model": Case(
             worker_generate(start(prompt="p", model="nope")), NOT_FOUND,
             ("model 'nope' is not served here; served: fake",)),
+        "worker-generate-empty-request": Case(
+            worker_generate(start()), INVALID, ("empty request: set prompt, or messages",)),
+        "worker-generate-no-max-tokens": Case(
+            worker_generate(worker_pb2.WorkerCommand(start=inference_pb2.GenerateRequest(prompt="p", request_id="w"))),
+            INVALID, ("start.max_tokens is required",)),
         "worker-generate-bad-role": Case(
-            worker_generate(start(messages=chat(("robot", "beep")))), INVALID, ("role",),
-            wrong="expected INVALID_ARGUMENT naming messages[0].role; actual: OK, the generation runs "
-                  "(the worker passes any role to its engine)"),
+            worker_generate(start(messages=chat(("robot", "beep")))), INVALID, ("role",)),
         "worker-generate-max-tokens-0": Case(
-            worker_generate(start(prompt="p", max_tokens=0)), INVALID, ("max_tokens",),
-            wrong="expected INVALID_ARGUMENT on max_tokens; actual: OK, an end with FINISH_REASON_LENGTH and 0 tokens "
-                  "(the worker hands 0 to its engine unchecked)"),
+            worker_generate(start(prompt="p", max_tokens=0)), INVALID, ("max_tokens",)),
         "worker-generate-nan-temperature": Case(
-            worker_generate(start(prompt="p", temperature=math.nan)), INVALID, ("temperature",),
-            wrong="expected INVALID_ARGUMENT on temperature; actual: OK, the generation runs with temperature nan"),
+            worker_generate(start(prompt="p", temperature=math.nan)), INVALID, ("temperature",)),
     },
     "Worker/Attach": {
         "worker-attach-unknown-id": Case(
@@ -240,25 +251,21 @@ CASES: dict[str, dict[str, Case]] = {
             attach("held", after_seq=99, held_first=True), grpc.StatusCode.OUT_OF_RANGE,
             ("after_seq 99 is beyond the last seq sent, 4",)),
         "worker-attach-empty-id": Case(
-            attach(""), INVALID, ("request_id is required",),
-            wrong="expected INVALID_ARGUMENT 'request_id is required'; actual: NOT_FOUND \"no generation '' here "
-                  "(never started, cancelled, or its 30 s resume grace period is over)\""),
+            attach(""), INVALID, ("request_id is required",)),
     },
     "Worker/Cancel": {
         "worker-cancel-unknown-id": Case(
             worker_cancel("never-started"), NOT_FOUND, ("no generation 'never-started' on this worker",)),
         "worker-cancel-empty-id": Case(
-            worker_cancel(""), INVALID, ("request_id is required",),
-            wrong="expected INVALID_ARGUMENT 'request_id is required'; actual: NOT_FOUND "
-                  "\"no generation '' on this worker\""),
+            worker_cancel(""), INVALID, ("request_id is required",)),
     },
     # Bytes that are no message of the request type; ListModels stands for every unary RPC of every service.
     "Inference/ListModels": {
         "undecodable-request": Case(
-            raw_unary("/tokenmesh.v1.Inference/ListModels", b"\xff\xff\xff"), INVALID, ("ListModelsRequest",),
-            wrong="expected INVALID_ARGUMENT; actual: UNKNOWN \"Unexpected <class 'google.protobuf.message."
-                  "DecodeError'>: Error parsing message with type 'tokenmesh.v1.ListModelsRequest'\" (grpc answers "
-                  "before any tokenmesh handler runs; the same on every service)"),
+            raw_unary("/tokenmesh.v1.Inference/ListModels", b"\xff\xff\xff"), INVALID, ("ListModelsRequest",)),
+        "undecodable-stream-message": Case(
+            raw_stream("/tokenmesh.v1.Worker/Generate", b"\xff\xff\xff", on_worker=True), INVALID,
+            ("not a valid tokenmesh.v1.WorkerCommand",)),
     },
 }
 """Per RPC (Service/Method), its cases by id."""

@@ -21,7 +21,6 @@ from tokenmesh.errors import (
     CALLER_ERROR_CLASSES,
     AlreadyExists,
     Cancelled,
-    InvalidArgument,
     NotFound,
     ResourceExhausted,
     Unavailable,
@@ -36,6 +35,7 @@ from tokenmesh.router._relay import CALLER_CODES, Live, Progress, Relay, WorkerF
 from tokenmesh.router._spares import Spares
 from tokenmesh.router._validation import validate
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tokenmesh.validation import require_request_id
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +204,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         """Find the worker holding request_id; replay chunks after after_seq, then follow live."""
         request_id = request.request_id
-        if not request_id:
-            raise InvalidArgument("request_id is required: the one the generation was started with")
+        require_request_id(request_id)
         held = self.live.get(request_id)
         if held is not None:
             # A caller that cancels its stream and resumes at once can overtake the
@@ -260,8 +259,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> inference_pb2.CancelResponse:
         """Stop a generation: on this router's stream, or on whichever worker holds it."""
         request_id = request.request_id
-        if not request_id:
-            raise InvalidArgument("request_id is required: the one the generation was started with")
+        require_request_id(request_id)
         live = self.live.get(request_id)
         if live is not None and not live.resumed:
             live.cancel()  # one still waiting for a worker slot ends now

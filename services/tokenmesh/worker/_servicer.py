@@ -11,6 +11,7 @@ import grpc
 
 from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from tokenmesh.validation import check_max_tokens, check_request, require_request_id
 from tokenmesh.worker._backend import Backend, BackendError, GenerationParams, ModelSpec
 from tokenmesh.worker._devices import DeviceReader
 from tokenmesh.worker._limits import Limits
@@ -132,10 +133,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         req = first.start
         if not req.request_id:
             raise InvalidArgument("start.request_id is required (the router assigns one)")
+        # The router checked these already; a caller of this internal RPC may not have.
+        check_request(req)
         if self.in_flight >= self.limits.admission_limit():
             lowered = " (lowered after a device out-of-memory)" if self.limits.lowered is not None else ""
             raise ResourceExhausted(f"worker is at its limit of {self.limits.admission_limit()} generations{lowered}")
         spec = self._model(req.model)
+        if not req.HasField("max_tokens"):
+            raise InvalidArgument("start.max_tokens is required (the router sets the default)")
+        check_max_tokens(req, spec.name, spec.max_context)
         params = GenerationParams(
             model=spec.name,
             prompt=req.prompt,
@@ -179,6 +185,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.AttachRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.WorkerEvent]:
         """Replay a held generation after after_seq, then follow it live."""
+        require_request_id(request.request_id)
         record = self.registry.get(request.request_id)
         async for event in record.stream(request.after_seq):
             yield event
@@ -187,6 +194,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> inference_pb2.CancelResponse:
         """Stop and forget a held generation."""
+        require_request_id(request.request_id)
         if not self.registry.cancel(request.request_id):
             raise NotFound(f"no generation {request.request_id!r} on this worker")
         return inference_pb2.CancelResponse(cancelled=True)
