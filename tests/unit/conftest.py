@@ -50,21 +50,26 @@ async def in_process_mesh(
     """Two workers over FakeBackend and a router (no prober: even split over healthy workers)."""
     backends = [FakeBackend(**(backend_settings or {})), FakeBackend(**(backend_settings or {}))]
     workers = [Worker(WorkerConfig(port=0, drain_grace_s=1, **(worker_settings or {})), backend=b) for b in backends]
-    for w in workers:
-        await w.start()
-    router = Router(
-        RouterConfig(port=0, workers=tuple(w.host.address for w in workers), drain_grace_s=1, **router_settings)
-    )
-    await router.start()
-    channel = grpc.aio.insecure_channel(router.host.address)
-    try:
-        await wait_until(lambda: all(e.healthy and e.models for e in router.pool.entries.values()))
+    router: Router | None = None
+    channel: grpc.aio.Channel | None = None
+    try:  # everything started is stopped, also when a later start fails
+        for w in workers:
+            await w.start()
+        router = Router(
+            RouterConfig(port=0, workers=tuple(w.host.address for w in workers), drain_grace_s=1, **router_settings)
+        )
+        await router.start()
+        channel = grpc.aio.insecure_channel(router.host.address)
+        pool = router.pool
+        await wait_until(lambda: all(e.healthy and e.models for e in pool.entries.values()))
         for b in backends:
             b.started.clear()  # forget the warm-up generations
         yield InProcessMesh(router, workers, backends, channel)
     finally:
-        await channel.close()
-        await router.shutdown()
+        if channel is not None:
+            await channel.close()
+        if router is not None:
+            await router.shutdown()
         for w in workers:
             await w.shutdown()
 
