@@ -89,8 +89,13 @@ class Backoff:
     """Consecutive failures before a WARNING (then again each time the count doubles)."""
 
 
-RECONNECT = Backoff()
-"""Long-lived streams between services (health watches, stats, weight pushes): reconnect for ever."""
+RECONNECT = Backoff(initial_s=0.05, max_s=0.5)
+"""Long-lived streams between services (health watches, stats, weight pushes): reconnect for ever.
+
+Capped low on purpose: these peers are the mesh's own, on loopback or in one
+cluster, and a worker back from a restart must be seen at once (the hand-written
+loops this replaced waited a fixed 0.25-0.5 s). Jitter still spreads the peers'
+attempts; only permanent statuses stop them."""
 
 
 class Reconnect:
