@@ -20,11 +20,12 @@ what and where, and again each time the count doubles.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import tenacity
@@ -44,6 +45,21 @@ TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 class StreamEnded(ConnectionError):
     """A stream that should stay open ended without an error (the peer closed it): reconnect."""
+
+
+async def write(call: grpc.aio.StreamStreamCall[Any, Any], message: Any) -> None:
+    """Write to a stream; if the peer has ended the call already, raise its status as an AioRpcError.
+
+    grpc raises a bare ``asyncio.InvalidStateError`` ("RPC already finished")
+    for a write after the peer ended the call (e.g. a worker that was killed):
+    raised as the call's status instead, the retry policy can tell a peer that
+    went away (UNAVAILABLE: reconnect) from one that refused (permanent).
+    """
+    try:
+        await call.write(message)
+    except asyncio.InvalidStateError:
+        code, details = await call.code(), await call.details()
+        raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details) from None
 
 
 def retry_hint_s(exc: BaseException) -> float | None:

@@ -81,6 +81,9 @@ def test_sigkill_and_sigstop_mid_stream_interrupt_no_stream(tmp_path: Path) -> N
             assert final.finish_reason == inference_pb2.FINISH_REASON_LENGTH, f"stream {i}: {final}"
             assert sum(c.token_count for c in chunks) == final.usage.completion_tokens == TOKENS, f"stream {i}"
             assert all(c.request_id == final.request_id for c in chunks)
+        # The kills are transient failures to the prober and the router: both are still up.
+        assert mesh.prober is not None and mesh.prober.proc.poll() is None, mesh.prober.log_tail()
+        assert mesh.router is not None and mesh.router.proc.poll() is None, mesh.router.log_tail()
         handle.channel.close()
     finally:
         if stopped is not None:

@@ -58,3 +58,23 @@ async def test_gpu_memory_reading_over_the_threshold_lowers_that_workers_weight(
         assert entry.weight == 0.45  # (1 - 135/140) / (1 - 0.92), rounded
     finally:
         await prober.shutdown()
+
+
+async def test_the_prober_outlives_a_worker_that_goes_away_mid_stream(mesh: InProcessMesh) -> None:
+    """A killed worker ends the stats stream under the prober's next ping: a transient failure, not a dead prober."""
+    addresses = tuple(w.host.address for w in mesh.workers)
+    prober = Prober(ProberConfig(port=0, workers=addresses, routers=(mesh.router.host.address,), interval_s=0.01))
+    await prober.start()
+    try:
+        gone = mesh.workers[0]
+        view = prober.views[gone.host.address]
+        await wait_until(lambda: view.stats is not None and view.reachable)
+        await gone.host.server.stop(0)  # as a SIGKILL: streams cut, nothing drained
+        await wait_until(lambda: not view.reachable, timeout=5)
+        await asyncio.sleep(1.0)  # 100 ping intervals: any failure of the loops would have surfaced by now
+        assert prober.failure is None
+        assert prober.host.health.status("readiness") == 1  # SERVING
+        other = prober.views[mesh.workers[1].host.address]
+        assert other.reachable and time.monotonic() - other.stats_at < 1
+    finally:
+        await prober.shutdown()

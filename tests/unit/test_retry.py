@@ -118,3 +118,28 @@ async def test_a_retry_hint_is_honoured_and_connected_starts_the_count_afresh() 
     assert len(calls) == 4
     assert calls[1] - calls[0] >= 0.2  # the server's hint, not the 1 ms backoff
     assert reconnect.failures == 1  # counted afresh after connected()
+
+
+async def test_a_write_after_the_peer_ended_the_stream_raises_its_status() -> None:
+    """grpc raises a bare InvalidStateError there; the policy needs the status to decide."""
+    from tokenmesh.retry import write
+
+    async def ends_at_once(request_iterator, context):  # type: ignore[no-untyped-def]
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "worker going away")
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "test.Echo", {"Talk": grpc.stream_stream_rpc_method_handler(ends_at_once)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_stream("/test.Echo/Talk")()
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call.read()  # the call has ended
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await write(call, b"ping")
+    finally:
+        await server.stop(0)
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert is_transient(raised.value)

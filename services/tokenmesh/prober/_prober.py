@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenmesh.lifecycle import Service
 from tokenmesh.prober._config import ProberConfig
 from tokenmesh.prober._weights import Scoring, WorkerView, compute_weight, nonsense
-from tokenmesh.retry import Reconnect, StreamEnded
+from tokenmesh.retry import Reconnect, StreamEnded, write
 from tokenmesh.server import CHANNEL_OPTIONS, ServiceHost, write_ready_file
 from tokenmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -117,7 +117,7 @@ class Prober(Service):
                 while True:
                     ping_id += 1
                     sent = time.monotonic()
-                    await asyncio.wait_for(call.write(worker_pb2.StatsPing(ping_id=ping_id)), timeout)
+                    await asyncio.wait_for(write(call, worker_pb2.StatsPing(ping_id=ping_id)), timeout)
                     stats = await asyncio.wait_for(call.read(), timeout)
                     if stats is grpc.aio.EOF:
                         raise StreamEnded("stats stream ended")
@@ -209,7 +209,7 @@ class Prober(Service):
                     link.wake.clear()
                     if self.table.version and self.table.version != sent:
                         sent = self.table.version
-                        await call.write(self.table)
+                        await write(call, self.table)
                     waiter = asyncio.create_task(link.wake.wait())
                     done, _ = await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
                     if reader in done:

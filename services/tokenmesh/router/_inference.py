@@ -27,6 +27,7 @@ from tokenmesh.errors import (
     from_generation_error,
     from_rpc_error,
 )
+from tokenmesh.retry import write
 from tokenmesh.router._admission import FAILOVER, Admission, level
 from tokenmesh.router._cancels import WorkerCancels
 from tokenmesh.router._config import RouterConfig
@@ -265,7 +266,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             live.cancel()  # one still waiting for a worker slot ends now
             if live.call is not None:
                 with contextlib.suppress(grpc.aio.UsageError, grpc.aio.AioRpcError):
-                    await live.call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
+                    stop = worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel"))
+                    await write(live.call, stop)
             return inference_pb2.CancelResponse(cancelled=True)
         # No stream of this router runs it (or a Resume follows it): the worker that holds it stops it.
         remaining = context.time_remaining()

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import tenacity
 
-from tokenmesh.retry import Reconnect, StreamEnded
+from tokenmesh.retry import Reconnect, StreamEnded, write
 from tokenmesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class Peers:
                         raise StreamEnded(f"router process {index} ended the weight stream")
                     table = self._latest
                     if table is not None and table.version > sent:
-                        await call.write(table)
+                        await write(call, table)
                         if await call.read() is grpc.aio.EOF:  # the ack: one table in flight per sibling
                             raise StreamEnded(f"router process {index} ended the weight stream")
                         reconnect.connected()

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from tokenmesh.errors import CALLER_ERROR_CLASSES, from_generation_error, from_rpc_error
+from tokenmesh.retry import write
 from tokenmesh.router._cancels import WorkerCancels
 from tokenmesh.router._config import RouterConfig
 from tokenmesh.router._pool import WorkerEntry
@@ -236,10 +237,10 @@ class Relay:
         if remaining is not None:
             start.timeout_s = remaining
         try:
-            await call.write(start)
+            await write(call, start)  # a spare the worker ended meanwhile: its status, failed over
             self._spares.open(entry.address)  # for the next generation, while this one waits for its first token
             if live.cancelled.done():  # Cancel came while the start was on its way
-                await call.write(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
+                await write(call, worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
             while True:
                 watchdog.reading()
                 event = await call.read()
