@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -85,3 +87,29 @@ def check(condition: bool, message: str) -> None:
     """Raise ConfigError(message) unless condition holds."""
     if not condition:
         raise ConfigError(message)
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+"""A DNS name or an IPv4 address: letters, digits, '-', '_' and '.' (not at either end)."""
+
+
+def address_error(address: str) -> str:
+    """Why address is not host:port with a port 1..65535 ('' when it is); an IPv6 host goes in brackets."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host:
+        return "must be host:port"
+    if not (port.isascii() and port.isdigit()):
+        return f"port {port!r} must be 1..65535"
+    if not 1 <= int(port) <= 65535:
+        return f"port {int(port)} must be 1..65535"
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"host {host} is not an IPv6 address"
+        return ""
+    if ":" in host:
+        return "an IPv6 host goes in brackets, e.g. [::1]:50061"
+    if not _HOST_NAME.fullmatch(host):
+        return f"host {host!r} is not a host name or IPv4 address"
+    return ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmesh.config import check, csv, setting
+from tokenmesh.config import address_error, check, csv, setting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,4 +32,5 @@ class ProberConfig:
         check(self.ttft_slo_ms > 0, f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms}")
         check(self.stop_grace_s >= 0, f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
         for address in (*self.workers, *self.routers):
-            check(":" in address, f"address {address!r} must be host:port")
+            problem = address_error(address)
+            check(not problem, f"address {address!r}: {problem}")

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmesh.config import check, csv, setting
+from tokenmesh.config import address_error, check, csv, setting
 from tokenmesh.router._pool import POLICIES
-from tokenmesh.router._tables import address_error
 
 DISCOVERY = ("static", "prober")
 """Where a router's workers come from (RouterConfig.discovery)."""
