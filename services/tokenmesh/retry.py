@@ -82,6 +82,11 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (TimeoutError, ConnectionError))
 
 
+def failure_name(exc: BaseException) -> str:
+    """The short name of a failure for a state reason: the status code's name, or the exception's class."""
+    return exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+
+
 def describe(exc: BaseException) -> str:
     """A one-line account of a failure for logs."""
     if isinstance(exc, grpc.aio.AioRpcError):

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenmesh.lifecycle import Service
 from tokenmesh.prober._config import ProberConfig
 from tokenmesh.prober._weights import Scoring, WorkerView, compute_weight, nonsense
-from tokenmesh.retry import Reconnect, StreamEnded, write
+from tokenmesh.retry import Reconnect, StreamEnded, failure_name, write
 from tokenmesh.server import CHANNEL_OPTIONS, ServiceHost, write_ready_file
 from tokenmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -99,7 +99,7 @@ class Prober(Service):
                     self._mark(view, reachable=True, serving=update.status == health_pb2.HealthCheckResponse.SERVING)
                 raise StreamEnded("health stream ended")
             except (grpc.aio.AioRpcError, StreamEnded) as exc:
-                self._mark(view, reachable=False, serving=False, error=f"health {_reason(exc)}")
+                self._mark(view, reachable=False, serving=False, error=f"health {failure_name(exc)}")
                 raise
 
         await reconnect.run(session)
@@ -125,7 +125,7 @@ class Prober(Service):
                     self._take(view, stats, time.monotonic() - sent)
                     await asyncio.sleep(self.config.interval_s)
             except (grpc.aio.AioRpcError, TimeoutError, ConnectionError) as exc:
-                self._mark(view, reachable=False, error=f"stats {_reason(exc)}")
+                self._mark(view, reachable=False, error=f"stats {failure_name(exc)}")
                 raise
             finally:
                 call.cancel()
@@ -255,7 +255,3 @@ class Prober(Service):
     async def _close(self) -> None:
         for channel in self._channels:
             await channel.close()
-
-
-def _reason(exc: BaseException) -> str:
-    return exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenmesh.config import env_name
 from tokenmesh.lifecycle import Service
 from tokenmesh.process import dies_with_parent, stop_process
-from tokenmesh.retry import Reconnect, StreamEnded
+from tokenmesh.retry import Reconnect, StreamEnded, failure_name
 from tokenmesh.router._admission import Admission
 from tokenmesh.router._config import RouterConfig
 from tokenmesh.router._inference import InferenceServicer
@@ -193,8 +193,7 @@ class Router(Service):
                                          described)
                 raise StreamEnded("health stream ended")
             except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
-                name = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
-                self.pool.set_health(entry, False, f"unreachable: {name}")
+                self.pool.set_health(entry, False, f"unreachable: {failure_name(exc)}")
                 raise
 
         await reconnect.run(session)
