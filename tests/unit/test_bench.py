@@ -186,3 +186,15 @@ async def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
             proc.kill()
             await proc.wait()
     return subprocess.CompletedProcess(args, proc.returncode or 0, stdout.decode(), stderr.decode())
+
+
+def test_the_direct_target_sends_each_request_to_the_least_outstanding_triton() -> None:
+    from tokenmesh.bench.targets import TritonTarget
+
+    target = TritonTarget(["a:1", "b:1", "c:1"], "m")
+    target._clients = [object(), object(), object()]  # type: ignore[list-item]  # only counted here
+    target.outstanding = [2, 0, 1]
+    assert target._least_outstanding() == 1
+    target.outstanding = [1, 1, 1]
+    ties = [target._least_outstanding() for _ in range(6)]
+    assert sorted(ties) == [0, 0, 1, 1, 2, 2]  # ties go round, none is favoured

@@ -1,4 +1,4 @@
-"""The worker's adaptive concurrency limit: TTFT gradient against the unloaded baseline, memory cap."""
+"""The worker's concurrency limit: lowered by the engine's own queue and device memory, never by TTFT."""
 
 from __future__ import annotations
 
@@ -20,51 +20,47 @@ async def collect(mesh: InProcessMesh, request: inference_pb2.GenerateRequest) -
 GIB = 1024**3
 
 
-def feed(limit: AdaptiveLimit, ttft_ms: float, queued: bool, windows: int) -> list[int]:
+def poll(limit: AdaptiveLimit, pending: int | None, in_flight: int, times: int) -> list[int]:
     values = []
-    for _ in range(windows):
-        for _ in range(limit.window):
-            limit.sample(ttft_ms, queued)
+    for _ in range(times):
+        limit.observe_engine(pending, in_flight)
         values.append(limit.value)
     return values
 
 
-def test_limit_grows_by_one_per_window_while_ttft_stays_near_the_unloaded_baseline() -> None:
-    limit = AdaptiveLimit(initial=4, maximum=16)
-    values = feed(limit, 100.0, queued=False, windows=30)
-    assert values[:4] == [4, 5, 5, 6]  # halfway to limit + 1 each window
-    assert values == sorted(values) and values[-1] == 16  # up to the maximum, never past it
-    assert limit.baseline_ms == 100.0
+def test_batching_driven_ttft_growth_does_not_lower_the_limit() -> None:
+    limit = AdaptiveLimit(initial=64, maximum=64)
+    for _ in range(8):
+        limit.sample(50.0, queued=False)  # unloaded: the baseline
+    # A batching engine: every generation it adds makes TTFT longer, 40x the baseline at the end,
+    # and its own queue stays empty (it takes everything it is given).
+    for in_flight in range(1, 65):
+        for _ in range(8):
+            limit.sample(50.0 * (1 + in_flight * 0.6), queued=False)
+        limit.observe_engine(0, in_flight)
+    assert limit.value == 64 and limit.limit(in_flight=64) == 64
+    assert limit.baseline_ms is not None and limit.baseline_ms > 50.0  # reported, but it moves nothing
 
 
-def test_limit_falls_when_ttft_tail_is_far_over_the_baseline_and_recovers() -> None:
+def test_a_growing_triton_queue_lowers_the_limit_to_what_the_engine_runs() -> None:
     limit = AdaptiveLimit(initial=16, maximum=16)
-    feed(limit, 100.0, queued=False, windows=1)
-    assert limit.value == 16
-    falling = feed(limit, 900.0, queued=True, windows=12)  # 9x the baseline: congestion
-    assert falling[:3] == [12, 9, 6]  # x0.75 a window: halfway to half
-    assert falling[-1] == 1  # down to the minimum
-    assert limit.baseline_ms == 100.0  # queued samples never move the baseline
-    rising = feed(limit, 150.0, queued=True, windows=10)  # within 2x the baseline: fine
-    assert rising == sorted(rising) and rising[-1] == 6
+    assert poll(limit, 4, in_flight=16, times=2) == [16, 16]  # a burst in Triton's queue is not saturation
+    assert poll(limit, 0, in_flight=16, times=1) == [16]  # and it drained
+    assert poll(limit, 4, in_flight=16, times=3) == [16, 16, 12]  # a queue that stays: the engine runs 12
+    assert poll(limit, 9, in_flight=12, times=3) == [12, 12, 3]  # it keeps growing: down to what runs
+    assert poll(limit, 20, in_flight=12, times=3)[-1] == 1  # never below the minimum
 
 
-def test_one_slow_sample_in_a_window_is_not_congestion_two_are() -> None:
+def test_the_limit_climbs_back_one_per_quiet_poll_up_to_the_slots() -> None:
     limit = AdaptiveLimit(initial=8, maximum=8)
-    limit.sample(100.0, queued=False)
-    for _ in range(6):
-        limit.sample(100.0, queued=False)
-    limit.sample(5000.0, queued=True)  # the p90 of 8 samples is the 7th smallest
-    assert limit.value == 8
-    for ttft in (100.0,) * 6 + (5000.0, 5000.0):
-        limit.sample(ttft, queued=ttft > 100)
-    assert limit.value < 8
+    poll(limit, 6, in_flight=8, times=3)
+    assert limit.value == 2
+    assert poll(limit, 0, in_flight=2, times=7) == [3, 4, 5, 6, 7, 8, 8]
 
 
-def test_limit_does_not_move_before_an_unloaded_sample() -> None:
-    limit = AdaptiveLimit(initial=4, maximum=16)
-    feed(limit, 5000.0, queued=True, windows=5)
-    assert limit.value == 4 and limit.baseline_ms is None
+def test_an_engine_that_reports_no_queue_never_lowers_the_limit() -> None:
+    limit = AdaptiveLimit(initial=8, maximum=8)
+    assert poll(limit, None, in_flight=30, times=10) == [8] * 10
 
 
 def test_memory_over_the_threshold_adds_nothing_to_what_runs() -> None:
@@ -94,13 +90,13 @@ async def generate_direct(stub: worker_pb2_grpc.WorkerStub, request_id: str, tok
     return count
 
 
-async def test_worker_limit_follows_engine_queueing_and_reports_tritons_queue_figures() -> None:
+async def test_worker_limit_follows_the_engines_own_queue_not_its_ttft() -> None:
     async with in_process_mesh() as mesh:
         worker, backend = mesh.workers[0], mesh.backends[0]
         backend.engine_slots = asyncio.Semaphore(4)
         backend.delay = 0.005
         servicer = worker.servicer
-        servicer.telemetry.engine_poll_s = 0.2  # from the next read on
+        servicer.telemetry.engine_poll_s = 0.1  # from the next read on
         async with grpc.aio.insecure_channel(worker.host.address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             # Waves of 4 fit the engine's slots: the baseline, and the limit stays at the slots.
@@ -109,25 +105,21 @@ async def test_worker_limit_follows_engine_queueing_and_reports_tritons_queue_fi
                 assert counts == [4] * 4
             assert servicer.limits.concurrency_limit(servicer.in_flight) == 4
             assert servicer.limits.adaptive().baseline_ms is not None
-            # 16 at once (past the router): 12 wait in the engine's queue for a whole generation
-            # (0.8 s: the worker reads the engine's figures every 0.2 s here).
-            floods = [asyncio.create_task(generate_direct(stub, f"b{i}", 160)) for i in range(16)]
-            await wait_until(lambda: backend.waiting == 12)
-            await wait_until(lambda: servicer.telemetry.engine_pending == 12, timeout=2)
+            # The engine now runs only 2 of its 4 slots (as one short of memory does): 4 sent, 2 wait
+            # in its queue for whole generations (1.6 s; the worker reads its figures every 0.1 s).
+            backend.engine_slots = asyncio.Semaphore(2)
+            floods = [asyncio.create_task(generate_direct(stub, f"b{i}", 320)) for i in range(4)]
+            await wait_until(lambda: servicer.telemetry.engine_pending == 2, timeout=2)
             seen = await stats(mesh, 0)
-            assert seen.triton_pending == 12
-            assert await asyncio.gather(*floods) == [160] * 16
-            lowered = servicer.limits.concurrency_limit(servicer.in_flight)
-            assert lowered < 4
+            assert seen.triton_pending == 2
+            await wait_until(lambda: servicer.limits.concurrency_limit(servicer.in_flight) == 2, timeout=2)
+            assert await asyncio.gather(*floods) == [320] * 4
             telemetry = servicer.telemetry
             await wait_until(lambda: telemetry.engine_queue_ms is not None and telemetry.engine_pending == 0, timeout=2)
             seen = await stats(mesh, 0)
             assert seen.triton_queue_ms > 0 and seen.HasField("ttft_baseline_ms")
-            assert seen.concurrency_limit == lowered
-            # Unqueued again: the limit climbs back to the slots.
-            for wave in range(32):  # 8 windows of 8: +0.5 each
-                await asyncio.gather(*(generate_direct(stub, f"c{wave}-{i}", 4) for i in range(2)))
-            assert servicer.limits.concurrency_limit(servicer.in_flight) == 4
+            # The queue is empty again: the limit climbs back to the slots, one per read.
+            await wait_until(lambda: servicer.limits.concurrency_limit(servicer.in_flight) == 4, timeout=2)
         # The other worker's engine keeps no queue figures: unset, not zero.
         other = await stats(mesh, 1)
         assert not other.HasField("triton_pending") and not other.HasField("triton_queue_ms")
@@ -144,7 +136,8 @@ async def test_router_never_sends_a_worker_more_than_its_adapted_limit(mesh: InP
     for backend in mesh.backends:
         backend.delay = 0.02
     for worker in mesh.workers:
-        worker.servicer.limits.adaptive()._estimate = 2.0  # as if TTFT had pushed it down to 2
+        limit = worker.servicer.limits.adaptive()
+        limit.maximum = limit._value = 2  # as if the engine's queue kept it at 2 (its polls cannot raise it)
     addresses = tuple(w.host.address for w in mesh.workers)
     prober = Prober(ProberConfig(port=0, workers=addresses, routers=(mesh.router.host.address,), interval_s=0.05))
     await prober.start()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import pytest
@@ -14,7 +13,7 @@ from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
 
 
 def pool_with(*addresses: str, model: str = "m") -> WorkerPool:
-    pool = WorkerPool(random.Random(7))
+    pool = WorkerPool()
     for address in addresses:
         entry = pool.add(address)
         entry.healthy = True
@@ -53,15 +52,38 @@ def test_load_goes_to_the_less_busy_worker() -> None:
     assert pool.pick("m").address == "b:1"
 
 
-def test_heavier_weight_takes_more_of_the_load() -> None:
+def test_at_equal_load_the_heavier_weight_wins_and_load_then_spreads() -> None:
     pool = pool_with("a:1", "b:1", "c:1")
-    pool.apply(table(1, a_1=1.0, b_1=0.1, c_1=0.1))
+    pool.apply(table(1, a_1=1.0, b_1=0.1, c_1=0.5))
+    picks = []
+    for _ in range(6):
+        entry = pool.pick("m")
+        picks.append(entry.address)
+        entry.in_flight += 1
+    # Ties on load go to the heavier weight; the router's own counts keep the spread even.
+    assert picks == ["a:1", "c:1", "b:1"] * 2
+
+
+def test_load_is_relative_to_each_workers_limit() -> None:
+    pool = pool_with("a:1", "b:1")
+    pool.entries["a:1"].limit, pool.entries["b:1"].limit = 8, 2
     picks = Counter()
-    for _ in range(300):
+    for _ in range(10):
         entry = pool.pick("m")
         picks[entry.address] += 1
-        entry.in_flight += 1  # keep them all busy so weight matters
-    assert picks["a:1"] > picks["b:1"] + picks["c:1"]
+        entry.in_flight += 1
+    assert picks == {"a:1": 8, "b:1": 2}
+    assert pool.pick("m") is None  # both full
+
+
+def test_two_workers_with_four_slots_take_two_and_two() -> None:
+    pool = pool_with("a:1", "b:1")
+    pool.apply(table(3, a_1=1.0, b_1=0.75))  # the prober's lagging view of b's load must not skew the spread
+    for entry in pool.entries.values():
+        entry.limit = 4
+    for _ in range(4):
+        pool.pick("m").in_flight += 1
+    assert [e.in_flight for e in pool.entries.values()] == [2, 2]
 
 
 def test_older_tables_are_not_applied() -> None:
@@ -201,6 +223,21 @@ def test_prefix_policy_keeps_a_prefix_on_one_worker_within_the_load_bound() -> N
     hot = pool.entries[homes[0]]
     hot.in_flight = 4
     assert pool.pick("m", key="system prompt 0") is not hot
+
+
+def test_a_prefix_yields_to_balance_by_more_the_shorter_it_is() -> None:
+    pool = pool_with("a:1", "b:1")
+    short, long = "s" * 300, "l" * 4096  # one extra generation, three extra
+    for key in (short, long):
+        home = pool.pick("m", key=key)
+        other = next(e for e in pool.entries.values() if e is not home)
+        home.in_flight, other.in_flight = 10, 9
+        assert pool.pick("m", key=key) is home  # one ahead: the warm prefix is worth it
+        home.in_flight = 11
+        assert pool.pick("m", key=key) is (other if key is short else home)
+        home.in_flight = 13
+        assert pool.pick("m", key=key) is other  # four ahead: balance wins for both
+        home.in_flight = other.in_flight = 0
 
 
 def test_round_robin_and_least_loaded_policies() -> None:

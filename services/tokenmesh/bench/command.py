@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser, default_addr: str) -> None:
                        help="mesh: Inference/Generate on a router (default); triton: a Triton model directly")
     where.add_argument("--addr", default=default_addr, help=f"router host:port (default {default_addr})")
     where.add_argument("--triton-url", default="",
-                       help="Triton gRPC host:port, comma-separated for several (round-robin); with --compare, "
+                       help="Triton gRPC host:port, comma-separated for several (each request to the one with "
+                            "the fewest outstanding: the ideal balancer); with --compare, "
                             "default: every worker's Triton, from the router's routing table")
     where.add_argument("--model", default="", help="model name (default: the mesh's default model)")
     where.add_argument("--compare", action="store_true",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -141,7 +140,12 @@ def _bytes_input(name: str, value: str) -> InferInput:
 
 
 class TritonTarget(Target):
-    """A Triton model straight over ``stream_infer`` (the vLLM backend's tensors), round-robin over URLs."""
+    """A Triton model straight over ``stream_infer`` (the vLLM backend's tensors), over several URLs.
+
+    Each request goes to the Triton with the fewest requests outstanding (ties
+    in turn): the ideal balancer, which knows every engine's load exactly, so
+    ``--compare`` measures the mesh against the best placement.
+    """
 
     name = "triton"
 
@@ -153,7 +157,9 @@ class TritonTarget(Target):
         self.ignore_eos = ignore_eos
         self.seed = seed
         self._clients: list[triton_aio.InferenceServerClient] = []
-        self._next: Any = None
+        self.outstanding: list[int] = []
+        """Requests in flight per URL."""
+        self._turn = 0
 
     async def open(self) -> None:
         """Connect to every URL and check the model is ready on each."""
@@ -170,7 +176,7 @@ class TritonTarget(Target):
                 index = await client.get_model_repository_index(as_json=True, client_timeout=CONNECT_TIMEOUT_S)
                 served = ", ".join(m["name"] for m in index.get("models", []) if m.get("state") == "READY")
                 raise TargetError(f"model {self.model!r} is not ready on Triton at {url} (ready: {served or 'none'})")
-        self._next = itertools.cycle(self._clients)
+        self.outstanding = [0] * len(self._clients)
 
     async def close(self) -> None:
         """Close every client."""
@@ -192,7 +198,9 @@ class TritonTarget(Target):
         async def requests() -> AsyncIterator[dict[str, Any]]:
             yield {"model_name": self.model, "inputs": inputs}
 
-        client = next(self._next)
+        index = self._least_outstanding()
+        client = self._clients[index]
+        self.outstanding[index] += 1
         counted = 0
         try:
             async for response, error in client.stream_infer(requests()):
@@ -217,3 +225,11 @@ class TritonTarget(Target):
         except InferenceServerException as exc:
             result.error = (exc.status() or "TRITON_ERROR").removeprefix("StatusCode.")
             result.ended = time.monotonic()
+        finally:
+            self.outstanding[index] -= 1
+
+    def _least_outstanding(self) -> int:
+        """The URL with the fewest requests in flight; ties go round in turn."""
+        count = len(self._clients)
+        self._turn = (self._turn + 1) % count
+        return min(range(count), key=lambda i: (self.outstanding[i], (i - self._turn) % count))

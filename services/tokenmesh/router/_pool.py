@@ -2,13 +2,16 @@
 
 Each worker has a weight from the prober's latest table (or, before any table,
 1.0 for every worker whose health the router sees SERVING) and a concurrency
-limit. Only workers with weight > 0 and a free slot are candidates. The
-default policy, ``prefix``, sends requests that share a prompt prefix to the
-worker whose KV cache already holds it (rendezvous hashing with bounded
-loads); without a prefix, and as the fallback, it is the power of two
-choices: two candidates drawn by weight, the one with fewer generations in
-flight per unit of weight wins (ties: the one that served fewer).
-``least-loaded`` and ``round-robin`` exist to measure the difference.
+limit. Only workers with weight > 0 and a free slot are candidates. Among
+them the least loaded wins: fewest generations in flight relative to this
+router's allowance, as the router itself counts them (the prober's view lags
+by a probe interval, and placing by it put 3 + 1 where 2 + 2 fit); ties go to
+the heavier weight, then to the worker that served fewer. The default policy,
+``prefix``, first tries the worker whose KV cache holds the request's prompt
+prefix (rendezvous hashing), and yields to balance when that worker is more
+loaded than the least loaded candidate by more than the warm prefix saves
+(see :func:`affinity_slack`). ``least-loaded`` (no affinity) and
+``round-robin`` exist to measure the difference.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +55,22 @@ POLICIES = ("prefix", "least-loaded", "round-robin")
 """Worker selection policies (see WorkerPool.pick)."""
 LOAD_BOUND = 1.25
 """Prefix policy: a worker above this multiple of the average load is skipped for its prefixes."""
+PREFIX_CHARS_PER_SLOT = 2048
+"""Prefix policy: each this many characters of shared prefix (~512 tokens of prefill) buy one extra generation."""
+
+
+def affinity_slack(key: str) -> int:
+    """How many more generations the prefix's worker may run than the least loaded one and still get it.
+
+    A warm prefix saves its prefill; an extra generation on a batching engine
+    slows every stream on it by about one share of the decode step. One extra
+    generation is always worth a prefix long enough to be a key (>= 256
+    characters), and one more per PREFIX_CHARS_PER_SLOT: a 64-token system
+    prompt stays with its worker while it is at most one ahead; a 2,000-token
+    document stays with its worker up to four ahead (Dynamo's cost rule in its
+    simplest form: prefill to compute against decode load).
+    """
+    return 1 + len(key) // PREFIX_CHARS_PER_SLOT
 
 
 def _rendezvous(key: str, address: str) -> int:
@@ -81,7 +99,6 @@ class WorkerPool:
     admission queue hands out slots then, so nothing has to look periodically.
 
     Args:
-        rng: the random draws of the pick (seeded in tests).
         policy: one of POLICIES.
         share: (this process, processes): a router run as N processes splits each worker's limit N ways.
 
@@ -97,12 +114,9 @@ class WorkerPool:
     propagation_ms: float
     """From the prober's decision to this router applying the table in force."""
     _turn: int
-    _rng: random.Random
     _listeners: list[Callable[[], None]]
 
-    def __init__(
-        self, rng: random.Random | None = None, policy: str = "prefix", share: tuple[int, int] = (0, 1)
-    ) -> None:
+    def __init__(self, policy: str = "prefix", share: tuple[int, int] = (0, 1)) -> None:
         self.entries = {}
         self.policy = policy
         self.share = share
@@ -110,7 +124,6 @@ class WorkerPool:
         self.version = 0
         self.received_at = 0.0
         self.propagation_ms = 0.0
-        self._rng = rng or random.Random()
         self._listeners = []
 
     def subscribe(self, listener: Callable[[], None]) -> None:
@@ -249,32 +262,22 @@ class WorkerPool:
             ordered = sorted(candidates, key=lambda e: e.address)
             self._turn += 1
             return ordered[self._turn % len(ordered)]
-        if self.policy == "least-loaded":
-            return min(candidates, key=lambda e: (e.in_flight / max(self.allowance(e), 1), -self.effective_weight(e)))
+        least = min(candidates, key=self._load_order)
         if self.policy == "prefix" and key:
-            # Consistent hashing with bounded loads: the prefix's own order of
-            # workers (rendezvous hashing), skipping any already carrying more
-            # than LOAD_BOUND x the average, so one hot prefix cannot swamp one worker.
+            # The prefix's own order of workers (rendezvous hashing), skipping
+            # any carrying more than LOAD_BOUND x the average (one hot prefix
+            # cannot swamp one worker) or more than the prefix's slack above
+            # the least loaded candidate (balance wins over a short prefix).
             bound = math.ceil(LOAD_BOUND * (sum(e.in_flight for e in live) + 1) / len(live))
+            slack = affinity_slack(key)
             for entry in sorted(candidates, key=lambda e: _rendezvous(key, e.address), reverse=True):
-                if entry.in_flight < bound:
+                if entry.in_flight < bound and entry.in_flight - least.in_flight <= slack:
                     return entry
-        return self._two_choices(candidates)
+        return least
 
-    def _two_choices(self, candidates: list[WorkerEntry]) -> WorkerEntry:
-        """Power of two choices drawn by weight; fewer in flight per weight wins."""
-        if len(candidates) > 2:
-            first = self._draw(candidates)
-            rest = [e for e in candidates if e is not first]
-            candidates = [first, self._draw(rest)]
-
-        def score(e: WorkerEntry) -> tuple[float, int]:
-            return ((e.in_flight + 1) / self.effective_weight(e), e.served_total)
-
-        return min(candidates, key=score)
-
-    def _draw(self, entries: list[WorkerEntry]) -> WorkerEntry:
-        return self._rng.choices(entries, weights=[self.effective_weight(e) for e in entries])[0]
+    def _load_order(self, entry: WorkerEntry) -> tuple[float, float, int]:
+        """Least loaded first: in flight over allowance, then the heavier weight, then fewer served."""
+        return (entry.in_flight / max(self.allowance(entry), 1), -self.effective_weight(entry), entry.served_total)
 
     def _reason(self, entry: WorkerEntry) -> str:
         left = entry.suspended_until - time.monotonic()

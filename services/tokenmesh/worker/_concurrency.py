@@ -1,25 +1,31 @@
-"""The worker's adaptive concurrency limit: how many generations it should be given at once.
+"""The worker's concurrency limit: how many generations it asks routers for at once.
 
-AIMD on time to first token against the worker's unloaded baseline:
+The limit exists to keep work in the router's priority queue rather than the
+engine's FIFO queue, and to back off from real saturation. It is **not**
+moved by time to first token: a batching engine's TTFT rises with every
+generation it batches, and cutting the limit for that only leaves engine
+slots idle while requests wait in the router (measured: 64-slot workers cut
+to 1 within 10 s of 16 callers).
 
-- The **unloaded baseline** is a slow moving average of the TTFT of
-  generations that started while the engine had a free slot (so none of their
-  TTFT was spent queued behind other generations).
-- Every ``window`` TTFT samples, the window's p90 (the tail is where queueing
-  shows) is compared with it: ``gradient = clamp(tolerance x baseline / p90,
-  0.5, 1)``. Up to ``tolerance`` times the baseline is not congestion
-  (prompt lengths differ).
-- Without congestion the limit grows by one per window (additive increase);
-  with it, it is multiplied by the gradient (multiplicative decrease, at most
-  halved). The limit moves a ``smoothing`` fraction toward that and stays
-  within [``minimum``, ``maximum``]; the maximum is the engine's slots, since
-  work beyond them would only wait in the engine's FIFO queue, where the
-  router's priority queue serves it better.
-- **GPU memory headroom caps it**: above ``memory_threshold`` of any device no
-  generation is added to those running; below it, at most as many as the free
-  memory up to the threshold holds at the memory per generation measured so
-  far (device memory in use now minus in use while idle, over the generations
-  running). Without device readings (no GPU) there is no memory cap.
+- It starts at, and never exceeds, the engine's slots (work beyond them would
+  only wait in the engine's queue).
+- **Engine queue.** The worker reads the engine's pending count (Triton's
+  ``nv_inference_pending_request_count``) every poll. When it stays above 0
+  for ``window`` polls in a row, the engine is not taking what it is given:
+  the limit drops to what it does run, in flight minus pending (at least
+  ``minimum``). Every poll with an empty engine queue adds one back, up to the
+  slots. An engine that reports no pending count never lowers the limit.
+- **Device memory.** Above ``memory_threshold`` of any device no generation
+  is added to those running; below it, at most as many as the free memory up
+  to the threshold holds at the memory per generation measured so far (device
+  memory in use now minus in use while idle, over the generations running).
+  Without device readings (no GPU) there is no memory cap.
+- **Device OOM** halves the worker's admission limit (``worker/_limits.py``),
+  which bounds this one.
+
+The unloaded TTFT baseline (a slow average of the TTFT of generations that
+started with an engine slot free) is still kept, for operators
+(``WorkerStats.ttft_baseline_ms``): it does not move the limit.
 """
 
 from __future__ import annotations
@@ -29,60 +35,57 @@ from dataclasses import dataclass, field
 
 from tokenmesh.worker._devices import DeviceReading
 
-MIN_GRADIENT = 0.5
 BASELINE_ALPHA = 0.1
 
 
 @dataclass
 class AdaptiveLimit:
-    """Gradient limit on TTFT against the unloaded baseline, capped by device memory."""
+    """Concurrency limit from the engine's own queue and device memory."""
 
     initial: int
     """Starting limit (the model's slots)."""
     maximum: int
     """Never above this (the engine's slots)."""
     minimum: int = 1
-    tolerance: float = 2.0
-    """TTFT up to this many times the baseline is not congestion."""
-    window: int = 8
-    """TTFT samples per update."""
-    smoothing: float = 0.5
+    window: int = 3
+    """Engine polls in a row with requests pending before the limit drops."""
     memory_threshold: float = 0.92
     """Device memory fraction above which no generation is added."""
     baseline_ms: float | None = None
-    _estimate: float = 0.0
-    _samples: list[float] = field(default_factory=list)
+    """Moving average of the TTFT of generations that started with a free engine slot (reported only)."""
+    _value: int = 0
+    _saturated_polls: int = 0
     _idle_memory: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Start at the initial limit, within bounds."""
-        self._estimate = float(min(max(self.initial, self.minimum), self.maximum))
+        self._value = min(max(self.initial, self.minimum), self.maximum)
 
     @property
     def value(self) -> int:
-        """The limit from latency alone."""
-        return int(self._estimate)
+        """The limit from the engine's queue alone."""
+        return self._value
 
     def sample(self, ttft_ms: float, queued: bool) -> None:
-        """Record one generation's TTFT; ``queued``: it started with every engine slot busy."""
+        """Record one generation's TTFT (``queued``: it started with every engine slot busy); baseline only."""
         if not queued:
             self.baseline_ms = ttft_ms if self.baseline_ms is None else (
                 self.baseline_ms + BASELINE_ALPHA * (ttft_ms - self.baseline_ms))
-        self._samples.append(ttft_ms)
-        if len(self._samples) < self.window:
+
+    def observe_engine(self, pending: int | None, in_flight: int) -> None:
+        """One poll of the engine: ``pending`` requests in its own queue (None: it does not say)."""
+        if not pending:
+            self._saturated_polls = 0
+            self._value = min(self._value + 1, self.maximum)
             return
-        ordered = sorted(self._samples)
-        tail = ordered[int(0.9 * (len(ordered) - 1))]
-        self._samples.clear()
-        if self.baseline_ms is None or tail <= 0:
-            return
-        gradient = max(MIN_GRADIENT, min(1.0, self.tolerance * self.baseline_ms / tail))
-        new = self._estimate + 1 if gradient >= 1.0 else self._estimate * gradient
-        estimate = (1 - self.smoothing) * self._estimate + self.smoothing * new
-        self._estimate = min(max(estimate, float(self.minimum)), float(self.maximum))
+        self._saturated_polls += 1
+        if self._saturated_polls >= self.window:
+            self._saturated_polls = 0
+            running = max(in_flight - pending, self.minimum)
+            self._value = min(self._value, running)
 
     def limit(self, in_flight: int, devices: Sequence[DeviceReading] = ()) -> int:
-        """The limit now: the latency limit, capped by the devices' memory headroom."""
+        """The limit now: the engine-queue limit, capped by the devices' memory headroom."""
         limit = self.value
         measured = [d for d in devices if d.memory_total_bytes]
         if in_flight == 0:

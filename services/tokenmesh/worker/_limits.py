@@ -5,7 +5,7 @@ once: the engine's slots plus a queue as deep (``QUEUE_FACTOR`` x slots); a
 device out-of-memory halves it from what was running (multiplicative
 decrease), and it grows back by one per ``OOM_RECOVERY_S`` (additive
 increase). The **concurrency limit** is what the worker reports to the prober
-and routers: the adaptive TTFT/memory limit (:mod:`.concurrency`), never above
+and routers: the engine-queue/memory limit (:mod:`._concurrency`), never above
 the admission limit.
 """
 
@@ -74,7 +74,7 @@ class Limits:
         return grown
 
     def adaptive(self) -> AdaptiveLimit:
-        """The latency- and memory-driven limit (made once the models, hence the slots, are known)."""
+        """The engine-queue- and memory-driven limit (made once the models, hence the slots, are known)."""
         if self._adaptive is None:
             slots = self.slots()
             self._adaptive = AdaptiveLimit(initial=slots, maximum=slots, memory_threshold=self._memory_threshold)

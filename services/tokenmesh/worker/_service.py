@@ -105,7 +105,7 @@ class Worker(Service):
         self.servicer.state_reason = "serving"
         await self.host.set_ready(True)
         self.spawn(self._supervise_backend(), "backend supervisor")
-        self.spawn(self.servicer.telemetry.poll_engine(), "engine statistics")
+        self.spawn(self.servicer.telemetry.poll_engine(self.servicer.engine_polled), "engine statistics")
         log.info("worker SERVING on %s (Triton %s)", self.host.address, self.backend.endpoint)
         write_ready_file(
             self.config.ready_file,

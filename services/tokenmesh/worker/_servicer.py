@@ -94,6 +94,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if ttft_s is not None:
             self.limits.adaptive().sample(ttft_s * 1000, queued=record.queued)
 
+    def engine_polled(self, pending: int | None) -> None:
+        """The engine's queue was read: the concurrency limit follows it."""
+        if self._backend.models():
+            self.limits.adaptive().observe_engine(pending, self.in_flight)
+
     def _settled(self, record: Record) -> None:
         self.in_flight -= 1
         self.telemetry.tokens_total += record.tokens

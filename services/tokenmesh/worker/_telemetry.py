@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from tokenmesh.worker._backend import Backend, EngineStats
 
@@ -59,8 +60,11 @@ class Telemetry:
         if gap_s is not None:
             self.itl_ms = ewma(self.itl_ms, gap_s * 1000)
 
-    async def poll_engine(self) -> None:
-        """Follow the engine's own queue figures (Triton's pending count and queue time)."""
+    async def poll_engine(self, observe: Callable[[int | None], None] = lambda pending: None) -> None:
+        """Follow the engine's own queue figures (Triton's pending count and queue time).
+
+        ``observe(pending)`` is told each read's pending count (the concurrency limit follows it).
+        """
         previous: EngineStats | None = None
         while True:
             try:
@@ -77,4 +81,5 @@ class Telemetry:
                         stats.queued_total - previous.queued_total)
                     self.engine_queue_ms = ewma(self.engine_queue_ms, mean_ns / 1e6)
             previous = stats
+            observe(self.engine_pending)
             await asyncio.sleep(self.engine_poll_s)
