@@ -52,16 +52,27 @@ def test_load_goes_to_the_less_busy_worker() -> None:
     assert pool.pick("m").address == "b:1"
 
 
-def test_at_equal_load_the_heavier_weight_wins_and_load_then_spreads() -> None:
+def test_at_equal_load_a_degraded_weight_goes_last_and_load_then_spreads() -> None:
     pool = pool_with("a:1", "b:1", "c:1")
-    pool.apply(table(1, a_1=1.0, b_1=0.1, c_1=0.5))
+    pool.apply(table(1, a_1=1.0, b_1=0.1, c_1=0.6))
     picks = []
     for _ in range(6):
         entry = pool.pick("m")
         picks.append(entry.address)
         entry.in_flight += 1
-    # Ties on load go to the heavier weight; the router's own counts keep the spread even.
+    # Ties on load: b (under half the best weight) last; a and c alike, by fewer served, then weight.
     assert picks == ["a:1", "c:1", "b:1"] * 2
+
+
+def test_sequential_requests_on_an_idle_mesh_alternate_despite_unequal_weights() -> None:
+    pool = pool_with("a:1", "b:1")
+    pool.apply(table(1, a_1=1.0, b_1=0.8))  # b's TTFT average a little over the SLO
+    served = Counter()
+    for _ in range(8):
+        entry = pool.pick("m")
+        served[entry.address] += 1
+        entry.served_total += 1  # one at a time: in flight is 0 at every pick
+    assert served == {"a:1": 4, "b:1": 4}
 
 
 def test_load_is_relative_to_each_workers_limit() -> None:

@@ -69,6 +69,8 @@ class RequestResult:
     """The engine's own TTFT in seconds, when the target reports it (the mesh's final chunk timing)."""
     router_ttft: float | None = None
     """Seconds from the router receiving the request to it sending the first chunk (mesh target only)."""
+    queued: float | None = None
+    """Seconds the request waited in the router's admission queue for a worker slot (mesh target only)."""
 
     @property
     def ok(self) -> bool:
@@ -201,6 +203,7 @@ def summarize(results: Sequence[RequestResult], slo: dict[str, float] | None = N
         "ttft_s": distribution([r.ttft for r in ok if r.ttft is not None]),
         "ttft_added_s": distribution([a for r in ok if (a := r.ttft_added) is not None]),
         "ttft_inside_s": distribution([a for r in ok if (a := r.ttft_inside) is not None]),
+        "queued_s": distribution([q for r in ok if (q := r.queued) is not None]),
         "tpot_s": distribution([t for r in ok if (t := r.tpot) is not None]),
         "itl_s": distribution([gap for r in ok for gap in r.itls]),
         "e2e_s": distribution([e for r in ok if (e := r.e2e) is not None]),

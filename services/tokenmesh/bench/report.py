@@ -30,6 +30,8 @@ def table(name: str, summary: Mapping[str, Any]) -> str:
         lines.append(_row("TTFT added by mesh (ms)", summary["ttft_added_s"], 1000))
     if summary.get("ttft_inside_s"):
         lines.append(_row("  of it inside (ms)", summary["ttft_inside_s"], 1000))
+    if summary.get("queued_s"):
+        lines.append(_row("  queued in router (ms)", summary["queued_s"], 1000))
     lines.append(_row("stream tokens/s", summary["stream_tokens_per_s"]))
     lines.append(_row("tokens per chunk", summary["tokens_per_chunk"]))
     variance = summary["stream_tokens_per_s_variance"]

@@ -124,6 +124,8 @@ class MeshTarget(Target):
                         result.engine_ttft = chunk.timing.engine_ttft_ms / 1000
                     if chunk.timing.HasField("router_ttft_ms"):
                         result.router_ttft = chunk.timing.router_ttft_ms / 1000
+                    if chunk.timing.HasField("queue_ms"):
+                        result.queued = chunk.timing.queue_ms / 1000
                     if chunk.finish_reason == inference_pb2.FINISH_REASON_ERROR:
                         result.error = "FINISH_REASON_ERROR"
             if result.ended is None:

@@ -15,7 +15,11 @@ class ProberConfig:
     port: int = setting(50071, "gRPC port; 0 picks a free one")
     workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated", parse=csv)
     routers: tuple[str, ...] = setting((), "router addresses host:port to push weights to, comma-separated", parse=csv)
-    interval_s: float = setting(0.1, "seconds between stats pings to each worker (and weight recomputations)")
+    # 0.5 s, not faster: routers place by their own in-flight counts, so the
+    # table need not follow every generation; each ping costs the worker and
+    # the prober CPU that, on a small machine, the engine loses (10 pings/s
+    # were 1-1.5% of a core each, idle).
+    interval_s: float = setting(0.5, "seconds between stats pings to each worker (and weight recomputations)")
     probe_timeout_s: float = setting(1.0, "a ping unanswered this long marks the worker unreachable")
     memory_threshold: float = setting(0.92, "device memory used/total above which a worker's weight falls")
     ttft_slo_ms: float = setting(2000.0, "TTFT objective: a worker averaging more gets weight x slo/ttft")

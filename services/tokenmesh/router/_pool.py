@@ -6,7 +6,7 @@ limit. Only workers with weight > 0 and a free slot are candidates. Among
 them the least loaded wins: fewest generations in flight relative to this
 router's allowance, as the router itself counts them (the prober's view lags
 by a probe interval, and placing by it put 3 + 1 where 2 + 2 fit); ties go to
-the heavier weight, then to the worker that served fewer. The default policy,
+a worker within half the best weight, then to the one that served fewer. The default policy,
 ``prefix``, first tries the worker whose KV cache holds the request's prompt
 prefix (rendezvous hashing), and yields to balance when that worker is more
 loaded than the least loaded candidate by more than the warm prefix saves
@@ -262,7 +262,8 @@ class WorkerPool:
             ordered = sorted(candidates, key=lambda e: e.address)
             self._turn += 1
             return ordered[self._turn % len(ordered)]
-        least = min(candidates, key=self._load_order)
+        best = max(self.effective_weight(e) for e in candidates)
+        least = min(candidates, key=lambda e: self._load_order(e, best))
         if self.policy == "prefix" and key:
             # The prefix's own order of workers (rendezvous hashing), skipping
             # any carrying more than LOAD_BOUND x the average (one hot prefix
@@ -275,9 +276,16 @@ class WorkerPool:
                     return entry
         return least
 
-    def _load_order(self, entry: WorkerEntry) -> tuple[float, float, int]:
-        """Least loaded first: in flight over allowance, then the heavier weight, then fewer served."""
-        return (entry.in_flight / max(self.allowance(entry), 1), -self.effective_weight(entry), entry.served_total)
+    def _load_order(self, entry: WorkerEntry, best: float) -> tuple[float, bool, int, float]:
+        """Least loaded first: in flight over allowance; then one within half the best weight, fewer served first.
+
+        Weights only break ties, and coarsely: the prober's weight moves with
+        its own lagging view of load and with each worker's TTFT average, and
+        ordering equally loaded workers by it exactly sent every request of an
+        idle mesh to the same worker.
+        """
+        weight = self.effective_weight(entry)
+        return (entry.in_flight / max(self.allowance(entry), 1), weight < best / 2, entry.served_total, -weight)
 
     def _reason(self, entry: WorkerEntry) -> str:
         left = entry.suspended_until - time.monotonic()

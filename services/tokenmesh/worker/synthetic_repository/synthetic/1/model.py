@@ -6,10 +6,16 @@ Runs inside Triton's Python backend stub; it may import only
 ``responses_per_s`` responses a second, after ``ttft_ms``; the final response
 carries ``finish_reason`` "length" and the token counts, as smollm2's does.
 A cancelled request stops at its next response.
+
+One scheduler thread sends every stream's responses, each at its due time
+(a heap of due times): thousands of slow streams cost one thread, not one
+each, and the engine's timing stays the same whatever the load.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import os
 import threading
@@ -37,11 +43,23 @@ def _exit_with_triton() -> None:
     threading.Thread(target=watch, name="exit-with-triton", daemon=True).start()
 
 
+class _Stream:
+    """One request being streamed."""
+
+    __slots__ = ("max_tokens", "prompt_tokens", "sender", "sent")
+
+    def __init__(self, sender: Any, max_tokens: int, prompt_tokens: int) -> None:
+        self.sender = sender
+        self.max_tokens = max_tokens
+        self.prompt_tokens = prompt_tokens
+        self.sent = 0
+
+
 class TritonPythonModel:
     """Triton entry point: ``initialize``, ``execute``, ``finalize``."""
 
     def initialize(self, args: dict[str, Any]) -> None:
-        """Read the rates."""
+        """Read the rates; start the scheduler."""
         _exit_with_triton()
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
@@ -51,9 +69,14 @@ class TritonPythonModel:
         self._per_response = max(1, round(tokens_per_s * self._interval))
         self._ttft = float(params.get("ttft_ms", "5")) / 1000
         self._stopping = False
+        self._due: list[tuple[float, int, _Stream]] = []
+        self._order = itertools.count()
+        self._wake = threading.Condition()
+        self._scheduler = threading.Thread(target=self._run, name="synthetic-scheduler", daemon=True)
+        self._scheduler.start()
 
     def execute(self, requests: list[Any]) -> None:
-        """One streaming thread per request."""
+        """Schedule each request's first response after the TTFT."""
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -70,29 +93,56 @@ class TritonPythonModel:
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
                 continue
-            args = (sender, max_tokens, len(prompt.split()))
-            threading.Thread(target=self._stream, args=args, daemon=True).start()
+            self._schedule(time.monotonic() + self._ttft, _Stream(sender, max_tokens, len(prompt.split())))
         return None
 
     def finalize(self) -> None:
-        """Running streams end at their next response."""
-        self._stopping = True
+        """Running streams end at once, as cancelled."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._scheduler.join(timeout=5)
 
-    def _stream(self, sender: Any, max_tokens: int, prompt_tokens: int) -> None:
-        sent = 0
-        finish = "length"
-        due = time.monotonic() + self._ttft
-        while sent < max_tokens:
-            time.sleep(max(0.0, due - time.monotonic()))
-            if self._stopping or sender.is_cancelled():
-                finish = "cancelled"
-                break
-            count = min(self._per_response, max_tokens - sent)
-            text = "".join(f" t{i}" for i in range(sent, sent + count))
-            sender.send(_response(text, "", 0, count))
-            sent += count
-            due += self._interval  # a fixed schedule: a late response does not slow the rest
-        sender.send(_response("", finish, prompt_tokens, sent), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    def _schedule(self, due: float, stream: _Stream) -> None:
+        with self._wake:
+            heapq.heappush(self._due, (due, next(self._order), stream))
+            if self._due[0][2] is stream:  # a new earliest: the scheduler's wait is too long now
+                self._wake.notify()
+
+    def _next(self) -> tuple[float, _Stream] | None:
+        """The next stream due (waiting until it is); None once stopping and none is left."""
+        with self._wake:
+            while True:
+                if self._stopping:  # every stream left ends now, in any order
+                    if not self._due:
+                        return None
+                    due, _, stream = self._due.pop()
+                    return due, stream
+                now = time.monotonic()
+                if self._due and self._due[0][0] <= now:
+                    due, _, stream = heapq.heappop(self._due)
+                    return due, stream
+                self._wake.wait(self._due[0][0] - now if self._due else None)
+
+    def _run(self) -> None:
+        while (item := self._next()) is not None:
+            due, stream = item
+            if self._stopping or stream.sender.is_cancelled():
+                self._finish(stream, "cancelled")
+                continue
+            count = min(self._per_response, stream.max_tokens - stream.sent)
+            text = "".join(f" t{i}" for i in range(stream.sent, stream.sent + count))
+            stream.sender.send(_response(text, "", 0, count))
+            stream.sent += count
+            if stream.sent >= stream.max_tokens:
+                self._finish(stream, "length")
+            else:
+                # A fixed schedule: a late response does not slow the rest.
+                self._schedule(due + self._interval, stream)
+
+    def _finish(self, stream: _Stream, reason: str) -> None:
+        stream.sender.send(_response("", reason, stream.prompt_tokens, stream.sent),
+                           flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 def _input_str(request: Any, name: str) -> str | None:

@@ -1,0 +1,224 @@
+"""Thousands of slow streams through one router process: memory, CPU and timing per open stream.
+
+Starts the embedded mesh (one router process, --workers workers) on the
+synthetic Triton model at --rate tokens/s per stream (one token per
+response), with enough slots for every stream. Then ramps the open streams
+in steps (--levels, default 1000,5000,10000): each step is a client process
+(grpc.aio, in its own process so the router's CPU is its own) that opens its
+streams at --ramp-per-s, so their tokens arrive spread over the second. At
+each level, after --settle-s, it measures for --window-s:
+
+- router RSS per open stream: (RSS now - RSS before any stream) / open streams;
+- router CPU per relayed token: router CPU seconds over the tokens the clients received in the window;
+- p50/p99 inter-chunk gap (nominal 1000/rate ms) of the chunks that arrived in the window;
+- the mesh's CPU (router, workers, Tritons) as a share of the machine.
+
+Every stream is sized to end at one moment after the last window; at the end
+it prints the streams completed and errors (any error, seq gap or token
+count short of max_tokens counts). Targets (issue 11): 10,000 streams, no
+error, <= 20 KB router RSS per open stream, p99 gap at 10k within 10 ms of
+the 1k figure.
+
+    .venv/bin/python benchmarks/scale.py
+    .venv/bin/python benchmarks/scale.py --levels 500,2000 --workers 2 --window-s 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+from common import percentile, running_mesh, synthetic_repository, tree_cpu_seconds
+
+from tokenmesh.mesh import MeshConfig
+from tokenmesh.process import dies_with_parent, stop_process
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+
+STREAMS_PER_CHANNEL = 1000
+"""Client side: streams sharing one HTTP/2 connection (as many callers behind one service do)."""
+
+
+async def client(args: argparse.Namespace) -> None:
+    """One ramp step: open --streams streams, report when all are open, write what arrived when."""
+    channels = [grpc.aio.insecure_channel(args.addr) for _ in range(math.ceil(args.streams / STREAMS_PER_CHANNEL))]
+    stubs = [inference_pb2_grpc.InferenceStub(c) for c in channels]
+    arrivals, tokens, gaps, gap_at = array("d"), array("i"), array("d"), array("d")
+    errors: Counter[str] = Counter()
+    completed = 0
+
+    async def one(i: int) -> None:
+        nonlocal completed
+        wanted = max(1, int((args.end_at - time.time()) * args.rate))
+        request = inference_pb2.GenerateRequest(prompt=f"stream {i}", max_tokens=wanted, ignore_eos=True,
+                                                request_id=f"{args.tag}-{i}")
+        expected, last, received = 1, 0.0, 0
+        try:
+            async for chunk in stubs[i % len(stubs)].Generate(request, timeout=args.end_at - time.time() + 120):
+                now = time.monotonic()
+                if chunk.seq != expected:
+                    errors["SEQ_GAP"] += 1
+                    return
+                expected += 1
+                if chunk.text:
+                    if last:
+                        gaps.append(now - last)
+                        gap_at.append(now)
+                    last = now
+                    arrivals.append(now)
+                    tokens.append(chunk.token_count)
+                    received += chunk.token_count
+                if chunk.finish_reason:
+                    if chunk.finish_reason != inference_pb2.FINISH_REASON_LENGTH or received != wanted:
+                        errors[f"ENDED_{inference_pb2.FinishReason.Name(chunk.finish_reason)}_{received}/{wanted}"] += 1
+                    else:
+                        completed += 1
+        except grpc.aio.AioRpcError as exc:
+            errors[exc.code().name] += 1
+
+    tasks = []
+    for i in range(args.streams):
+        tasks.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(1 / args.ramp_per_s)
+    print(f"open {args.streams}", flush=True)
+    await asyncio.gather(*tasks)
+    for channel in channels:
+        await channel.close()
+    Path(args.out).write_text(json.dumps({
+        "arrivals": list(arrivals), "tokens": list(tokens), "gaps": list(gaps), "gap_at": list(gap_at),
+        "errors": dict(errors), "completed": completed, "streams": args.streams}))
+
+
+def spawn_client(addr: str, streams: int, end_at: float, out: Path, tag: str,
+                 args: argparse.Namespace) -> subprocess.Popen[str]:
+    cmd = [sys.executable, __file__, "--client", "--addr", addr, "--streams", str(streams), "--end-at",
+           str(end_at), "--out", str(out), "--tag", tag, "--rate", str(args.rate), "--ramp-per-s",
+           str(args.ramp_per_s)]
+    return subprocess.Popen(dies_with_parent(cmd), stdout=subprocess.PIPE, text=True)  # noqa: S603
+
+
+def mesh_cpu_seconds(pids: list[int]) -> float:
+    return sum(tree_cpu_seconds(pid) for pid in pids)
+
+
+def orchestrate(args: argparse.Namespace) -> None:
+    steps = [b - a for a, b in zip([0, *args.levels], args.levels, strict=False)]
+    # Planned time: ramps, settles, windows; every stream ends after the last window (+ slack).
+    planned = sum(s / args.ramp_per_s for s in steps) + len(steps) * (args.settle_s + args.window_s) + 30
+    slots = math.ceil(args.levels[-1] / args.workers) + 64
+    with tempfile.TemporaryDirectory() as folder:
+        repository = synthetic_repository(Path(folder), ttft_ms=5, tokens_per_s=args.rate, responses_per_s=args.rate,
+                                          n_parallel=slots, n_ctx=slots * 4096)
+        config = MeshConfig(workers=args.workers, port=0, model_repository=str(repository),
+                            extra_env={"TOKENMESH_ROUTER_MAX_QUEUE": str(args.levels[-1])})
+        with running_mesh(config) as mesh:
+            assert mesh.router is not None
+            router = psutil.Process(mesh.router.proc.pid)
+            mesh_pids = [c.proc.pid for c in mesh.children()] + [
+                int(w.info["triton_pid"]) for w in mesh.workers if w.info.get("triton_pid")]
+            time.sleep(2)
+            base_rss = router.memory_info().rss
+            end_at = time.time() + planned
+            clients: list[subprocess.Popen[str]] = []
+            outputs: list[Path] = []
+            windows: list[dict[str, Any]] = []
+            try:
+                for level, step in zip(args.levels, steps, strict=True):
+                    out = Path(folder) / f"client-{level}.json"
+                    outputs.append(out)
+                    clients.append(spawn_client(mesh.router.address, step, end_at, out, f"l{level}", args))
+                    line = clients[-1].stdout.readline() if clients[-1].stdout else ""
+                    if not line.startswith("open"):
+                        raise SystemExit(f"the client for level {level} failed: {line!r}")
+                    time.sleep(args.settle_s)
+                    cpu0, mesh0, t0 = router.cpu_times(), mesh_cpu_seconds(mesh_pids), time.monotonic()
+                    time.sleep(args.window_s)
+                    cpu1, mesh1, t1 = router.cpu_times(), mesh_cpu_seconds(mesh_pids), time.monotonic()
+                    if time.time() > end_at - 5:
+                        raise SystemExit("the ramp ran past the planned end of the streams; raise --ramp-per-s")
+                    windows.append({"level": level, "start": t0, "end": t1, "rss": router.memory_info().rss,
+                                    "router_cpu": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system),
+                                    "mesh_cpu": mesh1 - mesh0})
+                    print(f"  {level} open: measured {t1 - t0:.0f} s", flush=True)
+                for proc in clients:
+                    proc.wait(timeout=planned + 180)
+            finally:
+                for proc in clients:
+                    stop_process(proc, 5)
+        results = [json.loads(p.read_text()) for p in outputs if p.exists()]
+    report(args, windows, results, base_rss)
+
+
+def report(args: argparse.Namespace, windows: list[dict[str, Any]], results: list[dict[str, Any]],
+           base_rss: int) -> None:
+    arrivals = [a for r in results for a in r["arrivals"]]
+    tokens = [t for r in results for t in r["tokens"]]
+    print(f"\n{args.workers} workers, {args.rate:g} tokens/s per stream, one router process")
+    print(f"{'open':>7} {'RSS/stream':>11} {'router us/token':>16} {'tokens/s':>9} {'gap p50 ms':>11} "
+          f"{'gap p99 ms':>11} {'mesh CPU':>9}")
+    per_chunk = list(zip(arrivals, tokens, strict=True))
+    gaps_at = [(a, g) for r in results for a, g in zip(r["gap_at"], r["gaps"], strict=True)]  # dated by its end
+    cores = psutil.cpu_count() or 1
+    figures = []
+    for w in windows:
+        got = sum(t for a, t in per_chunk if w["start"] <= a < w["end"])
+        gaps = [g * 1000 for a, g in gaps_at if w["start"] <= a < w["end"] and g < 60]
+        seconds = w["end"] - w["start"]
+        row = {"open": w["level"], "rss_per_stream_kb": (w["rss"] - base_rss) / w["level"] / 1024,
+               "router_us_per_token": w["router_cpu"] / max(got, 1) * 1e6, "tokens_per_s": got / seconds,
+               "gap_p50_ms": percentile(gaps, 50) if gaps else float("nan"),
+               "gap_p99_ms": percentile(gaps, 99) if gaps else float("nan"),
+               "mesh_cpu_share": w["mesh_cpu"] / seconds / cores}
+        figures.append(row)
+        print(f"{row['open']:>7} {row['rss_per_stream_kb']:>8.1f} KB {row['router_us_per_token']:>16.1f} "
+              f"{row['tokens_per_s']:>9.0f} {row['gap_p50_ms']:>11.1f} {row['gap_p99_ms']:>11.1f} "
+              f"{row['mesh_cpu_share']:>8.0%}")
+    errors: Counter[str] = Counter()
+    for r in results:
+        errors.update(r["errors"])
+    completed = sum(r["completed"] for r in results)
+    print(f"streams completed: {completed}/{sum(r['streams'] for r in results)}; errors: {dict(errors) or 'none'}")
+    if len(figures) > 1:
+        print(f"p99 gap at {figures[-1]['open']} - at {figures[0]['open']}: "
+              f"{figures[-1]['gap_p99_ms'] - figures[0]['gap_p99_ms']:+.1f} ms (target <= 10)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"levels": figures, "errors": dict(errors), "completed": completed}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1000, 5000, 10000],
+                        help="open streams at each step, ascending (default 1000,5000,10000)")
+    parser.add_argument("--workers", type=int, default=2, help="workers, each with its own Triton (default 2)")
+    parser.add_argument("--rate", type=float, default=1.0, help="tokens/s per stream (default 1)")
+    parser.add_argument("--ramp-per-s", type=float, default=500.0, help="streams opened per second (default 500)")
+    parser.add_argument("--settle-s", type=float, default=5.0, help="wait after each ramp (default 5)")
+    parser.add_argument("--window-s", type=float, default=15.0, help="measurement window per level (default 15)")
+    parser.add_argument("--json", default="", help="write the figures here")
+    client_side = parser.add_argument_group("client process (internal)")
+    client_side.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    client_side.add_argument("--addr", help=argparse.SUPPRESS)
+    client_side.add_argument("--streams", type=int, help=argparse.SUPPRESS)
+    client_side.add_argument("--end-at", type=float, help=argparse.SUPPRESS)
+    client_side.add_argument("--out", help=argparse.SUPPRESS)
+    client_side.add_argument("--tag", default="s", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client:
+        asyncio.run(client(args))
+    else:
+        orchestrate(args)
+
+
+if __name__ == "__main__":
+    main()
