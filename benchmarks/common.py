@@ -41,7 +41,8 @@ def synthetic_repository(folder: Path, **parameters: float) -> Path:
     text = config.read_text()
     for key, value in parameters.items():
         pattern = rf'(parameters {{ key: "{key}" value: {{ string_value: ")[^"]*(" }} }})'
-        text, found = re.subn(pattern, rf"\g<1>{value:g}\g<2>", text)
+        shown = str(int(value)) if float(value).is_integer() else repr(float(value))  # no exponents: int() reads it
+        text, found = re.subn(pattern, rf"\g<1>{shown}\g<2>", text)
         if not found:
             raise ValueError(f"the synthetic model has no parameter {key!r}")
     config.write_text(text)

@@ -11,7 +11,7 @@ each level, after --settle-s, it measures for --window-s:
 - router RSS per open stream: (RSS now - RSS before any stream) / open streams;
 - router CPU per relayed token: router CPU seconds over the tokens the clients received in the window;
 - p50/p99 inter-chunk gap (nominal 1000/rate ms) of the chunks that arrived in the window;
-- the mesh's CPU (router, workers, Tritons) as a share of the machine.
+- the CPU of each part of the mesh (router, prober, workers, their Tritons with model stubs).
 
 Every stream is sized to end at one moment after the last window; at the end
 it prints the streams completed and errors (any error, seq gap or token
@@ -43,7 +43,7 @@ import psutil
 from common import percentile, running_mesh, synthetic_repository, tree_cpu_seconds
 
 from tokenmesh.mesh import MeshConfig
-from tokenmesh.process import dies_with_parent, stop_process
+from tokenmesh.process import cpu_seconds, dies_with_parent, stop_process
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 STREAMS_PER_CHANNEL = 1000
@@ -56,6 +56,7 @@ async def client(args: argparse.Namespace) -> None:
     stubs = [inference_pb2_grpc.InferenceStub(c) for c in channels]
     arrivals, tokens, gaps, gap_at = array("d"), array("i"), array("d"), array("d")
     errors: Counter[str] = Counter()
+    failed_at: list[float] = []
     completed = 0
 
     async def one(i: int) -> None:
@@ -85,7 +86,8 @@ async def client(args: argparse.Namespace) -> None:
                     else:
                         completed += 1
         except grpc.aio.AioRpcError as exc:
-            errors[exc.code().name] += 1
+            errors[f"{exc.code().name}: {(exc.details() or '')[:80]}"] += 1
+            failed_at.append(time.time())
 
     tasks = []
     for i in range(args.streams):
@@ -97,7 +99,8 @@ async def client(args: argparse.Namespace) -> None:
         await channel.close()
     Path(args.out).write_text(json.dumps({
         "arrivals": list(arrivals), "tokens": list(tokens), "gaps": list(gaps), "gap_at": list(gap_at),
-        "errors": dict(errors), "completed": completed, "streams": args.streams}))
+        "errors": dict(errors), "failed_at": failed_at, "end_at": args.end_at, "completed": completed,
+        "streams": args.streams}))
 
 
 def spawn_client(addr: str, streams: int, end_at: float, out: Path, tag: str,
@@ -108,8 +111,10 @@ def spawn_client(addr: str, streams: int, end_at: float, out: Path, tag: str,
     return subprocess.Popen(dies_with_parent(cmd), stdout=subprocess.PIPE, text=True)  # noqa: S603
 
 
-def mesh_cpu_seconds(pids: list[int]) -> float:
-    return sum(tree_cpu_seconds(pid) for pid in pids)
+def part_cpu_seconds(parts: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds so far of each part of the mesh (an engine: Triton and its model stubs)."""
+    return {name: sum(tree_cpu_seconds(pid) if name == "engines" else cpu_seconds([pid]) for pid in pids)
+            for name, pids in parts.items()}
 
 
 def orchestrate(args: argparse.Namespace) -> None:
@@ -120,13 +125,17 @@ def orchestrate(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as folder:
         repository = synthetic_repository(Path(folder), ttft_ms=5, tokens_per_s=args.rate, responses_per_s=args.rate,
                                           n_parallel=slots, n_ctx=slots * 4096)
-        config = MeshConfig(workers=args.workers, port=0, model_repository=str(repository),
-                            extra_env={"TOKENMESH_ROUTER_MAX_QUEUE": str(args.levels[-1])})
+        config = MeshConfig(workers=args.workers, port=0, model_repository=str(repository), log_dir=args.log_dir,
+                            extra_env={"TOKENMESH_ROUTER_MAX_QUEUE": str(args.levels[-1]),
+                                       # A slow stream is not a stalled one: 3 gaps without a token.
+                                       "TOKENMESH_ROUTER_STALL_TIMEOUT_S": str(max(5.0, 3 / args.rate))})
         with running_mesh(config) as mesh:
             assert mesh.router is not None
             router = psutil.Process(mesh.router.proc.pid)
-            mesh_pids = [c.proc.pid for c in mesh.children()] + [
-                int(w.info["triton_pid"]) for w in mesh.workers if w.info.get("triton_pid")]
+            assert mesh.prober is not None
+            parts = {"router": [mesh.router.proc.pid], "prober": [mesh.prober.proc.pid],
+                     "workers": [w.proc.pid for w in mesh.workers],
+                     "engines": [int(w.info["triton_pid"]) for w in mesh.workers]}  # each Triton with its stub
             time.sleep(2)
             base_rss = router.memory_info().rss
             end_at = time.time() + planned
@@ -142,14 +151,13 @@ def orchestrate(args: argparse.Namespace) -> None:
                     if not line.startswith("open"):
                         raise SystemExit(f"the client for level {level} failed: {line!r}")
                     time.sleep(args.settle_s)
-                    cpu0, mesh0, t0 = router.cpu_times(), mesh_cpu_seconds(mesh_pids), time.monotonic()
+                    mesh0, t0 = part_cpu_seconds(parts), time.monotonic()
                     time.sleep(args.window_s)
-                    cpu1, mesh1, t1 = router.cpu_times(), mesh_cpu_seconds(mesh_pids), time.monotonic()
+                    mesh1, t1 = part_cpu_seconds(parts), time.monotonic()
                     if time.time() > end_at - 5:
                         raise SystemExit("the ramp ran past the planned end of the streams; raise --ramp-per-s")
                     windows.append({"level": level, "start": t0, "end": t1, "rss": router.memory_info().rss,
-                                    "router_cpu": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system),
-                                    "mesh_cpu": mesh1 - mesh0})
+                                    "cpu": {name: mesh1[name] - mesh0[name] for name in parts}})
                     print(f"  {level} open: measured {t1 - t0:.0f} s", flush=True)
                 for proc in clients:
                     proc.wait(timeout=planned + 180)
@@ -166,28 +174,32 @@ def report(args: argparse.Namespace, windows: list[dict[str, Any]], results: lis
     tokens = [t for r in results for t in r["tokens"]]
     print(f"\n{args.workers} workers, {args.rate:g} tokens/s per stream, one router process")
     print(f"{'open':>7} {'RSS/stream':>11} {'router us/token':>16} {'tokens/s':>9} {'gap p50 ms':>11} "
-          f"{'gap p99 ms':>11} {'mesh CPU':>9}")
+          f"{'gap p99 ms':>11}   CPU, % of one core: router prober workers engines")
     per_chunk = list(zip(arrivals, tokens, strict=True))
     gaps_at = [(a, g) for r in results for a, g in zip(r["gap_at"], r["gaps"], strict=True)]  # dated by its end
-    cores = psutil.cpu_count() or 1
     figures = []
     for w in windows:
         got = sum(t for a, t in per_chunk if w["start"] <= a < w["end"])
         gaps = [g * 1000 for a, g in gaps_at if w["start"] <= a < w["end"] and g < 60]
         seconds = w["end"] - w["start"]
         row = {"open": w["level"], "rss_per_stream_kb": (w["rss"] - base_rss) / w["level"] / 1024,
-               "router_us_per_token": w["router_cpu"] / max(got, 1) * 1e6, "tokens_per_s": got / seconds,
+               "router_us_per_token": w["cpu"]["router"] / max(got, 1) * 1e6, "tokens_per_s": got / seconds,
                "gap_p50_ms": percentile(gaps, 50) if gaps else float("nan"),
                "gap_p99_ms": percentile(gaps, 99) if gaps else float("nan"),
-               "mesh_cpu_share": w["mesh_cpu"] / seconds / cores}
+               "cpu_percent": {name: 100 * c / seconds for name, c in w["cpu"].items()}}
         figures.append(row)
         print(f"{row['open']:>7} {row['rss_per_stream_kb']:>8.1f} KB {row['router_us_per_token']:>16.1f} "
-              f"{row['tokens_per_s']:>9.0f} {row['gap_p50_ms']:>11.1f} {row['gap_p99_ms']:>11.1f} "
-              f"{row['mesh_cpu_share']:>8.0%}")
+              f"{row['tokens_per_s']:>9.0f} {row['gap_p50_ms']:>11.1f} {row['gap_p99_ms']:>11.1f}   "
+              + " ".join(f"{row['cpu_percent'][name]:.0f}" for name in ("router", "prober", "workers", "engines")))
     errors: Counter[str] = Counter()
     for r in results:
         errors.update(r["errors"])
     completed = sum(r["completed"] for r in results)
+    for r in results:
+        if r["failed_at"]:
+            print(f"  client of {r['streams']} streams: {len(r['failed_at'])} failed, "
+                  f"{min(r['failed_at']) - r['end_at']:+.1f}..{max(r['failed_at']) - r['end_at']:+.1f} s "
+                  "from the planned end")
     print(f"streams completed: {completed}/{sum(r['streams'] for r in results)}; errors: {dict(errors) or 'none'}")
     if len(figures) > 1:
         print(f"p99 gap at {figures[-1]['open']} - at {figures[0]['open']}: "
@@ -206,6 +218,7 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=5.0, help="wait after each ramp (default 5)")
     parser.add_argument("--window-s", type=float, default=15.0, help="measurement window per level (default 15)")
     parser.add_argument("--json", default="", help="write the figures here")
+    parser.add_argument("--log-dir", default="", help="keep the services' logs here (default: a temporary folder)")
     client_side = parser.add_argument_group("client process (internal)")
     client_side.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     client_side.add_argument("--addr", help=argparse.SUPPRESS)
