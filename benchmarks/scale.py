@@ -113,7 +113,7 @@ def spawn_client(addr: str, streams: int, end_at: float, out: Path, tag: str,
 
 def part_cpu_seconds(parts: dict[str, list[int]]) -> dict[str, float]:
     """CPU seconds so far of each part of the mesh (an engine: Triton and its model stubs)."""
-    return {name: sum(tree_cpu_seconds(pid) if name == "engines" else cpu_seconds([pid]) for pid in pids)
+    return {name: sum(map(tree_cpu_seconds, pids)) if name == "engines" else cpu_seconds(pids)
             for name, pids in parts.items()}
 
 

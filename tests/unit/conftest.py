@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from tokenmesh.router import Router, RouterConfig
-from tokenmesh.v1 import inference_pb2_grpc, router_pb2_grpc
+from tokenmesh.v1 import inference_pb2_grpc, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
 
 from .fakes import FakeBackend
@@ -39,6 +39,16 @@ async def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) ->
         if loop.time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
+
+
+async def stats(mesh: InProcessMesh, i: int) -> worker_pb2.WorkerStats:
+    """One answer of worker i's Stats stream."""
+    async with grpc.aio.insecure_channel(mesh.workers[i].host.address) as channel:
+        call = worker_pb2_grpc.WorkerStub(channel).Stats()
+        await call.write(worker_pb2.StatsPing(ping_id=1))
+        result = await call.read()
+        call.cancel()
+        return result
 
 
 @contextlib.asynccontextmanager

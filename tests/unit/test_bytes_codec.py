@@ -8,12 +8,12 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2
 
-from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from tokenmesh.v1 import inference_pb2, worker_pb2
 from tokenmesh.worker import BackendError, Delta, Finished, GenerationParams
 from tokenmesh.worker.triton import MalformedBytes, TritonGeneration, build_request, decode_first, encode_bytes
 from tokenmesh.worker.triton._codec import _Outputs
 
-from .conftest import InProcessMesh, in_process_mesh
+from .conftest import in_process_mesh, stats
 from .fakes import FakeBackend
 
 NON_ASCII = "Paris — 巴黎 🇫🇷"
@@ -145,15 +145,6 @@ async def test_a_malformed_element_fails_the_generation_as_a_backend_error(raw: 
     assert "Triton sent a malformed response: BYTES element" in info.value.message
     assert isinstance(info.value.__cause__, MalformedBytes)
     assert stub.calls[0].cancelled  # Triton is told to stop the request
-
-
-async def stats(mesh: InProcessMesh, i: int) -> worker_pb2.WorkerStats:
-    async with grpc.aio.insecure_channel(mesh.workers[i].host.address) as channel:
-        call = worker_pb2_grpc.WorkerStub(channel).Stats()
-        await call.write(worker_pb2.StatsPing(ping_id=1))
-        result = await call.read()
-        call.cancel()
-        return result
 
 
 async def test_a_malformed_response_fails_its_generation_and_the_worker_keeps_serving(monkeypatch) -> None:

@@ -10,8 +10,7 @@ from tokenmesh.prober import Prober, ProberConfig, Scoring, WorkerView, compute_
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker import AdaptiveLimit, DeviceReading
 
-from .conftest import InProcessMesh, in_process_mesh, wait_until
-from .test_failure_classes import stats
+from .conftest import InProcessMesh, in_process_mesh, stats, wait_until
 
 
 async def collect(mesh: InProcessMesh, request: inference_pb2.GenerateRequest) -> list[inference_pb2.GenerateChunk]:

@@ -10,20 +10,11 @@ import pytest
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker import BackendError
 
-from .conftest import InProcessMesh, in_process_mesh, wait_until
+from .conftest import InProcessMesh, in_process_mesh, stats, wait_until
 
 
 async def collect(mesh: InProcessMesh, **fields) -> list[inference_pb2.GenerateChunk]:
     return [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(**fields))]
-
-
-async def stats(mesh: InProcessMesh, i: int) -> worker_pb2.WorkerStats:
-    async with grpc.aio.insecure_channel(mesh.workers[i].host.address) as channel:
-        call = worker_pb2_grpc.WorkerStub(channel).Stats()
-        await call.write(worker_pb2.StatsPing(ping_id=1))
-        result = await call.read()
-        call.cancel()
-        return result
 
 
 async def test_device_oom_lowers_the_limit_and_the_request_runs_elsewhere(mesh: InProcessMesh) -> None:

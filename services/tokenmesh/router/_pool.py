@@ -6,8 +6,8 @@ limit. Only workers with weight > 0 and a free slot are candidates. Among
 them the least loaded wins: fewest generations in flight relative to this
 router's allowance, as the router itself counts them (the prober's view lags
 by a probe interval, and placing by it put 3 + 1 where 2 + 2 fit); ties go to
-a worker within half the best weight, then to the one that served fewer. The default policy,
-``prefix``, first tries the worker whose KV cache holds the request's prompt
+a worker within half the best weight, then to the one that served fewer.
+The default policy, ``prefix``, first tries the worker whose KV cache holds the request's prompt
 prefix (rendezvous hashing), and yields to balance when that worker is more
 loaded than the least loaded candidate by more than the warm prefix saves
 (see :func:`affinity_slack`). ``least-loaded`` (no affinity) and
