@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -26,27 +24,7 @@ from tokenmesh.bench.metrics import percentile as percentile  # the benchmarks' 
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.process import cpu_seconds, descendants, dies_with_parent
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
-from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
-
-
-def synthetic_repository(folder: Path, **parameters: float) -> Path:
-    """A copy of the synthetic model's repository in folder with its config parameters set.
-
-    parameters: any of the model's ``config.pbtxt`` parameters (``ttft_ms``,
-    ``tokens_per_s``, ``responses_per_s``, ``n_parallel``, ``n_ctx``).
-    """
-    repository = folder / "synthetic_repository"
-    shutil.copytree(SHIPPED_REPOSITORIES["synthetic"], repository)
-    config = repository / "synthetic" / "config.pbtxt"
-    text = config.read_text()
-    for key, value in parameters.items():
-        pattern = rf'(parameters {{ key: "{key}" value: {{ string_value: ")[^"]*(" }} }})'
-        shown = str(int(value)) if float(value).is_integer() else repr(float(value))  # no exponents: int() reads it
-        text, found = re.subn(pattern, rf"\g<1>{shown}\g<2>", text)
-        if not found:
-            raise ValueError(f"the synthetic model has no parameter {key!r}")
-    config.write_text(text)
-    return repository
+from tokenmesh.worker.triton import synthetic_repository as synthetic_repository  # one copy, in the package
 
 
 def rss_mb(pid: int) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -101,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         service = sub.add_parser(name, help=what, description=what)
         add_arguments(service, cls, name)
+        service.add_argument("--check-config", action="store_true",
+                             help="validate the settings (flags and TOKENMESH_* env), print them and exit: 0 when "
+                                  "valid, 2 with the reason when not; starts nothing (e.g. to test a chart's args)")
         service.set_defaults(config_cls=cls)
     return parser
 
@@ -112,6 +116,11 @@ def _run_service(args: argparse.Namespace) -> int:
 
     service: Any = {"router": Router, "worker": Worker, "prober": Prober}[args.command]
     config = from_namespace(args.config_cls, args)
+    if args.check_config:
+        for field in dataclasses.fields(config):
+            value = getattr(config, field.name)
+            print(f"{field.name} = {','.join(value) if isinstance(value, tuple) else value!r}")
+        return 0
 
     async def serve() -> int:
         # Built inside the loop: grpc.aio servers and channels bind to the running loop.

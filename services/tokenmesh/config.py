@@ -113,3 +113,18 @@ def address_error(address: str) -> str:
     if not _HOST_NAME.fullmatch(host):
         return f"host {host!r} is not a host name or IPv4 address"
     return ""
+
+
+def check_discovery(interval_s: float, dns_server: str) -> None:
+    """Validate the discovery settings router and prober share."""
+    check(0 < interval_s <= 300, f"discovery_interval_s must be in (0, 300], got {interval_s}")
+    if dns_server:
+        problem = address_error(dns_server)
+        check(not problem, f"discovery_dns_server {dns_server!r}: {problem} (an IP address and port, e.g. "
+                           "10.96.0.10:53)")
+        host = dns_server.rpartition(":")[0].strip("[]")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ConfigError(f"discovery_dns_server {dns_server!r}: the host must be an IP address, "
+                              "not a name") from None

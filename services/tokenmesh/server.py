@@ -84,6 +84,7 @@ class ServiceHost:
         service_names: the full names of the services added to :attr:`server` (health answers for each).
         shared_port: other processes may listen on the same port (SO_REUSEPORT; the kernel spreads
             connections over them), and this server also listens on a private loopback port.
+        health_port: also serve ``grpc.health.v1`` alone, plaintext, on this port (0: not).
 
     """
 
@@ -93,9 +94,13 @@ class ServiceHost:
     """The bound port (after :meth:`start`)."""
     private_address: str
     """With shared_port: this process's own loopback address (after :meth:`start`)."""
+    health_server: grpc.aio.Server | None
+    """The plaintext health-only server (None without a health port)."""
     _names: list[str]
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str], *, shared_port: bool = False) -> None:
+    def __init__(
+        self, host: str, port: int, service_names: Iterable[str], *, shared_port: bool = False, health_port: int = 0
+    ) -> None:
         options = SERVER_OPTIONS
         if shared_port:
             options = (*(o for o in SERVER_OPTIONS if o[0] != "grpc.so_reuseport"), ("grpc.so_reuseport", 1))
@@ -105,6 +110,13 @@ class ServiceHost:
         self._names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         self.health = HealthServicer(self._names)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # Kubelet's gRPC probes present no client certificate and need no other
+        # service: one servicer answers on both servers, so they never disagree.
+        self.health_server = None
+        self._health_port = health_port
+        if health_port:
+            self.health_server = grpc.aio.server(options=options)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
             ReflectionServicer([*self._names, reflection.SERVICE_NAME]), self.server
         )
@@ -128,6 +140,15 @@ class ServiceHost:
                           "choose another --port (0 picks a free one)")
         if self._shared_port:
             self.private_address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        if self.health_server is not None:
+            try:
+                bound = self.health_server.add_insecure_port(f"{self._host}:{self._health_port}")
+            except RuntimeError:
+                bound = 0
+            if bound == 0:
+                raise OSError(f"cannot listen on {self._host}:{self._health_port} for health (in use or not "
+                              "permitted); choose another --health-port")
+            await self.health_server.start()
         await self.server.start()
         await self.health.set(LIVENESS, SERVING)
         return self.port
@@ -144,6 +165,8 @@ class ServiceHost:
         await self.set_ready(False)
         await self.health.set(LIVENESS, NOT_SERVING)
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 def write_ready_file(path: str | None, **info: Any) -> None:

@@ -127,8 +127,8 @@ async def test_prober_discovery_lets_a_table_add_a_worker() -> None:
 
 
 def test_discovery_setting_is_checked() -> None:
-    with pytest.raises(ConfigError, match="discovery must be one of static, prober"):
-        RouterConfig(workers=("a:1",), discovery="dns")
+    with pytest.raises(ConfigError, match="discovery must be one of static, dns, prober, got 'consul'"):
+        RouterConfig(workers=("a:1",), discovery="consul")
     with pytest.raises(ConfigError, match="give at least one worker"):
         RouterConfig()
     assert RouterConfig(discovery="prober").workers == ()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmesh.config import address_error, check, csv, setting
+from tokenmesh.config import address_error, check, check_discovery, csv, setting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -13,8 +13,18 @@ class ProberConfig:
 
     host: str = setting("127.0.0.1", "address to listen on (health and reflection only)")
     port: int = setting(50071, "gRPC port; 0 picks a free one")
-    workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated", parse=csv)
-    routers: tuple[str, ...] = setting((), "router addresses host:port to push weights to, comma-separated", parse=csv)
+    health_port: int = setting(0, "also serve grpc.health.v1 alone (liveness, readiness, \"\"), plaintext, on this "
+                                  "port, for kubelet probes (which present no client certificate); 0 = off")
+    workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated (with --discovery dns: "
+                                           "DNS names host:port, e.g. a headless Service's)", parse=csv)
+    routers: tuple[str, ...] = setting((), "router addresses host:port to push weights to, comma-separated (with "
+                                           "--discovery dns: DNS names, e.g. the routers' headless Service)",
+                                       parse=csv)
+    discovery: str = setting("static", "where workers and routers come from: static (the lists as given) or dns "
+                                       "(the addresses behind the names, re-resolved every --discovery-interval-s)")
+    discovery_interval_s: float = setting(5.0, "with --discovery dns: seconds between lookups of the names")
+    discovery_dns_server: str = setting("", "with --discovery dns: the DNS server ip:port to ask; empty = the "
+                                            "system's (/etc/resolv.conf, with its search domains)")
     # 0.5 s, not faster: routers place by their own in-flight counts, so the
     # table need not follow every generation; each ping costs the worker and
     # the prober CPU that, on a small machine, the engine loses (10 pings/s
@@ -29,6 +39,9 @@ class ProberConfig:
     def __post_init__(self) -> None:
         """Validate ranges."""
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
+        check(not self.health_port or self.health_port != self.port,
+              f"health_port must differ from port ({self.port}); 0 turns it off")
         check(bool(self.workers), "give at least one worker address (--workers host:port,...)")
         check(0 < self.interval_s <= 10, f"interval_s must be in (0, 10], got {self.interval_s}")
         check(self.probe_timeout_s > 0, f"probe_timeout_s must be > 0, got {self.probe_timeout_s}")
@@ -38,3 +51,6 @@ class ProberConfig:
         for address in (*self.workers, *self.routers):
             problem = address_error(address)
             check(not problem, f"address {address!r}: {problem}")
+        check(self.discovery in ("static", "dns"),
+              f"discovery must be static or dns, got {self.discovery!r}")
+        check_discovery(self.discovery_interval_s, self.discovery_dns_server)

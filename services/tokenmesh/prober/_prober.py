@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tokenmesh.discovery import Discovery, DnsResolver
 from tokenmesh.lifecycle import Service
 from tokenmesh.prober._config import ProberConfig
 from tokenmesh.prober._weights import Scoring, WorkerView, compute_weight, nonsense
@@ -59,13 +60,19 @@ class Prober(Service):
     scoring: Scoring
     _next_version: int
     _changed: asyncio.Event
-    _channels: list[grpc.aio.Channel]
+    _links: dict[str, tuple[grpc.aio.Channel, list[asyncio.Task[Any]]]]
+    """Per worker or router address: its channel and the tasks that use it."""
+    _closing: set[asyncio.Task[None]]
+    """Channels of workers or routers discovery lost, being closed."""
+    _discoveries: list[Discovery]
+    """The names' lookups (--discovery dns): workers, then routers."""
 
     def __init__(self, config: ProberConfig) -> None:
-        super().__init__(ServiceHost(config.host, config.port, []), drain_grace_s=0, stop_grace_s=config.stop_grace_s)
+        host = ServiceHost(config.host, config.port, [], health_port=config.health_port)
+        super().__init__(host, drain_grace_s=0, stop_grace_s=config.stop_grace_s)
         self.config = config
-        self.views = {a: WorkerView(a) for a in config.workers}
-        self.routers = {a: _RouterLink(a) for a in config.routers}
+        self.views = {}
+        self.routers = {}
         self.table = router_pb2.WeightTable()
         self.scoring = Scoring(
             stale_after_s=max(config.probe_timeout_s, 3 * config.interval_s),
@@ -74,7 +81,15 @@ class Prober(Service):
         )
         self._next_version = int(time.time() * 1000)  # grows across prober restarts
         self._changed = asyncio.Event()
-        self._channels = []
+        self._links = {}
+        self._closing = set()
+        self._discoveries = []
+        if config.discovery == "dns":
+            resolver = DnsResolver(config.discovery_dns_server)
+            self._discoveries = [
+                Discovery(config.workers, resolver, self._add_worker, self._remove, what="worker"),
+                Discovery(config.routers, resolver, self._add_router, self._remove, what="router"),
+            ]
 
     # -- watching workers ---------------------------------------------------
 
@@ -235,17 +250,50 @@ class Prober(Service):
 
     # -- lifecycle ------------------------------------------------------------
 
+    def _add_worker(self, address: str, found_by: str = "") -> None:
+        if address in self.views:
+            return
+        view = self.views[address] = WorkerView(address)
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._links[address] = (channel, [self.spawn(self._watch_health(view, channel), f"health watch {address}"),
+                                          self.spawn(self._watch_stats(view, channel), f"stats {address}")])
+        self._changed.set()
+
+    def _add_router(self, address: str, found_by: str = "") -> None:
+        if address in self.routers:
+            return
+        link = self.routers[address] = _RouterLink(address)
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._links[address] = (channel, [self.spawn(self._push(link, channel), f"weight push {address}")])
+
+    def _remove(self, address: str, why: str) -> None:
+        """Discovery lost a worker or router: stop watching it (a worker leaves the next table)."""
+        self.views.pop(address, None)
+        self.routers.pop(address, None)
+        channel, tasks = self._links.pop(address)
+        for task in tasks:
+            task.cancel()
+        closing = asyncio.create_task(channel.close())
+        self._closing.add(closing)  # held until done, so it is not collected mid-close
+        closing.add_done_callback(self._closing.discard)
+        self._changed.set()
+
+    async def _rediscover(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.discovery_interval_s)
+            await asyncio.gather(*(d.refresh() for d in self._discoveries))
+
     async def _start(self) -> None:
         """Start watching and pushing; ready once the loops run."""
-        for address, view in self.views.items():
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self._channels.append(channel)
-            self.spawn(self._watch_health(view, channel), f"health watch {address}")
-            self.spawn(self._watch_stats(view, channel), f"stats {address}")
-        for address, link in self.routers.items():
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self._channels.append(channel)
-            self.spawn(self._push(link, channel), f"weight push {address}")
+        if self._discoveries:
+            # Names that do not resolve yet are retried every interval, never fatal.
+            await asyncio.gather(*(d.refresh() for d in self._discoveries))
+            self.spawn(self._rediscover(), "DNS discovery")
+        else:
+            for address in self.config.workers:
+                self._add_worker(address)
+            for address in self.config.routers:
+                self._add_router(address)
         self.spawn(self._recompute(), "recompute")
         await self.host.set_ready(True)
         log.info("prober on %s watching %d workers, pushing to %d routers", self.host.address,
@@ -253,5 +301,5 @@ class Prober(Service):
         write_ready_file(self.config.ready_file, address=self.host.address, pid=os.getpid())
 
     async def _close(self) -> None:
-        for channel in self._channels:
+        for channel, _ in self._links.values():
             await channel.close()

@@ -49,7 +49,9 @@ class WorkerCancels:
 
     async def _ask(self, address: str, request_id: str, deadline: float, backoff: Backoff, failures: list[str]) -> bool:
         """Whether the worker held request_id and stops it now; failures gets why it could not be asked."""
-        stub = self._stubs[address]
+        stub = self._stubs.get(address)
+        if stub is None:  # discovery dropped the worker meanwhile: it holds nothing of ours
+            return False
         loop = asyncio.get_running_loop()
         request = inference_pb2.CancelRequest(request_id=request_id)
         reconnect = Reconnect("cancel", address, backoff, log, loud=False)

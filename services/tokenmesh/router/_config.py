@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmesh.config import address_error, check, csv, setting
+from tokenmesh.config import address_error, check, check_discovery, csv, setting
 from tokenmesh.router._pool import POLICIES
 
-DISCOVERY = ("static", "prober")
+DISCOVERY = ("static", "dns", "prober")
 """Where a router's workers come from (RouterConfig.discovery)."""
 
 
@@ -17,9 +17,17 @@ class RouterConfig:
 
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50051, "gRPC port; 0 picks a free one")
-    workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated", parse=csv)
+    health_port: int = setting(0, "also serve grpc.health.v1 alone (liveness, readiness, \"\"), plaintext, on this "
+                                  "port, for kubelet probes (which present no client certificate); 0 = off")
+    workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated (with --discovery dns: "
+                                           "DNS names host:port, e.g. a headless Service's)", parse=csv)
     discovery: str = setting("static", "where workers come from: static (only --workers; a weight table naming "
-                                       "another worker is refused) or prober (the prober's tables may add workers)")
+                                       "another worker is refused), dns (the addresses behind the --workers names, "
+                                       "re-resolved every --discovery-interval-s; one that goes is drained) or "
+                                       "prober (the prober's tables may add workers)")
+    discovery_interval_s: float = setting(5.0, "with --discovery dns: seconds between lookups of the names")
+    discovery_dns_server: str = setting("", "with --discovery dns: the DNS server ip:port to ask; empty = the "
+                                            "system's (/etc/resolv.conf, with its search domains)")
     default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset")
     max_prompt_bytes: int = setting(1024 * 1024, "largest prompt (or sum of message contents) accepted, in bytes")
     ttft_timeout_s: float = setting(30.0, "a worker that sends no first chunk within this is failed over")
@@ -42,6 +50,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         """Validate ranges."""
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
+        check(not self.health_port or self.health_port != self.port,
+              f"health_port must differ from port ({self.port}); 0 turns it off")
         check(self.ttft_timeout_s > 0, f"ttft_timeout_s must be > 0, got {self.ttft_timeout_s}")
         check(self.stall_timeout_s > 0, f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         check(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
@@ -62,6 +73,7 @@ class RouterConfig:
         for address in self.workers:
             problem = address_error(address)
             check(not problem, f"worker address {address!r}: {problem}")
+        check_discovery(self.discovery_interval_s, self.discovery_dns_server)
         check(bool(self.workers) or self.discovery == "prober",
               "give at least one worker (--workers host:port,...), or --discovery prober to learn them from "
               "the prober's weight tables")

@@ -32,6 +32,8 @@ class WorkerEntry:
     """One worker as this router knows it."""
 
     address: str
+    found_by: str = "static"
+    """How the router found the worker: 'static' (--workers), 'dns <name>', 'prober' (a weight table named it)."""
     healthy: bool = False
     """The router's own health Watch says SERVING."""
     weight: float = 0.0
@@ -49,6 +51,9 @@ class WorkerEntry:
     suspended_reason: str = ""
     suspension_end: asyncio.TimerHandle | None = field(default=None, repr=False)
     """Ends the suspension on time and tells the pool's listeners (a waiter may take the worker then)."""
+    gone: str = ""
+    """Why discovery no longer lists the worker ('' while it does): it gets no new work, and is dropped once
+    its streams ended."""
 
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
@@ -115,6 +120,8 @@ class WorkerPool:
     """From the prober's decision to this router applying the table in force."""
     _turn: int
     _listeners: list[Callable[[], None]]
+    _listed: dict[str, router_pb2.WorkerWeight]
+    """The table in force by address, also the workers this router has not found (yet)."""
 
     def __init__(self, policy: str = "prefix", share: tuple[int, int] = (0, 1)) -> None:
         self.entries = {}
@@ -125,6 +132,7 @@ class WorkerPool:
         self.received_at = 0.0
         self.propagation_ms = 0.0
         self._listeners = []
+        self._listed = {}
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call listener after every change that can make a worker pickable."""
@@ -134,16 +142,37 @@ class WorkerPool:
         for listener in self._listeners:
             listener()
 
-    def add(self, address: str) -> WorkerEntry:
-        """The entry for address, created if new."""
+    def add(self, address: str, found_by: str = "static") -> WorkerEntry:
+        """The entry for address, created if new (an entry discovery had let go is taken back)."""
         entry = self.entries.get(address)
         if entry is None:
-            entry = self.entries[address] = WorkerEntry(address)
+            entry = self.entries[address] = WorkerEntry(address, found_by)
+            if self.version:  # the table in force may have weighed it before this router found it
+                listed = self._listed.get(address)
+                if listed is not None:
+                    self._take(entry, listed)
+                else:
+                    entry.reason = "not in the prober's table"
+        elif entry.gone:
+            entry.gone = ""
+            entry.found_by = found_by
+            self._changed()
         return entry
 
+    def let_go(self, entry: WorkerEntry, why: str) -> None:
+        """Discovery lost the worker: no new work goes there; its streams run on (:meth:`drop` once they ended)."""
+        entry.gone = why
+        self._changed()
+
+    def drop(self, entry: WorkerEntry) -> None:
+        """Forget a worker that was let go."""
+        if entry.suspension_end is not None:
+            entry.suspension_end.cancel()
+        self.entries.pop(entry.address, None)
+
     def effective_weight(self, entry: WorkerEntry) -> float:
-        """Weight used for picking: the table's, and 0 while our own health check fails."""
-        if not entry.healthy or entry.suspended_until > time.monotonic():
+        """Weight used for picking: the table's, and 0 while our own health check fails or discovery let it go."""
+        if not entry.healthy or entry.gone or entry.suspended_until > time.monotonic():
             return 0.0
         return entry.weight if self.version else 1.0
 
@@ -181,26 +210,22 @@ class WorkerPool:
         entry.suspended_reason = ""
         self._changed()
 
-    def apply(self, table: router_pb2.WeightTable) -> bool:
+    def apply(self, table: router_pb2.WeightTable, adopt: bool = False) -> bool:
         """Use table if it is newer than the one in force; return whether it was applied.
 
         The table has passed ``check_table`` (router/_tables.py): weights in [0, 1], addresses host:port.
+        With adopt (--discovery prober) it adds the workers it names; otherwise a worker the router has not
+        found (yet) is passed over: with --discovery dns the router's own lookups decide which workers exist.
         """
         if table.version <= self.version:
             return False
-        listed = set()
+        self._listed = {w.address: w for w in table.workers}
         for w in table.workers:
-            entry = self.add(w.address)
-            entry.weight = w.weight
-            entry.state = w.state
-            entry.reason = w.reason
-            if w.triton_url:
-                entry.triton_url = w.triton_url
-            if w.concurrency_limit:
-                entry.limit = w.concurrency_limit
-            listed.add(w.address)
+            if not adopt and w.address not in self.entries:
+                continue  # kept in _listed: weighed from it once discovery finds it
+            self._take(self.add(w.address, "prober") if adopt else self.entries[w.address], w)
         for address, entry in self.entries.items():
-            if address not in listed:
+            if address not in self._listed:
                 entry.weight = 0.0
                 entry.reason = "not in the prober's table"
         self.version = table.version
@@ -209,6 +234,16 @@ class WorkerPool:
             self.propagation_ms = max(0.0, (self.received_at - table.decided_at.ToNanoseconds() / 1e9) * 1000)
         self._changed()  # weights and limits changed
         return True
+
+    @staticmethod
+    def _take(entry: WorkerEntry, w: router_pb2.WorkerWeight) -> None:
+        entry.weight = w.weight
+        entry.state = w.state
+        entry.reason = w.reason
+        if w.triton_url:
+            entry.triton_url = w.triton_url
+        if w.concurrency_limit:
+            entry.limit = w.concurrency_limit
 
     def models(self) -> dict[str, tuple[inference_pb2.ModelInfo, int]]:
         """Models of workers with weight > 0: name -> (info, number of workers)."""
@@ -288,6 +323,8 @@ class WorkerPool:
         return (entry.in_flight / max(self.allowance(entry), 1), weight < best / 2, entry.served_total, -weight)
 
     def _reason(self, entry: WorkerEntry) -> str:
+        if entry.gone:
+            return f"draining: {entry.gone}; dropped once its {entry.in_flight} stream(s) ended"
         left = entry.suspended_until - time.monotonic()
         if left > 0:
             return f"{entry.reason}; avoided by this router for {left:.1f} s: {entry.suspended_reason}"
@@ -305,13 +342,15 @@ class WorkerPool:
             result.workers.append(
                 router_pb2.RoutingEntry(
                     address=entry.address,
-                    weight=entry.weight if self.version else self.effective_weight(entry),
+                    # Discovery's verdict is this router's own, and newer than any table's.
+                    weight=entry.weight if self.version and not entry.gone else self.effective_weight(entry),
                     state=state,
                     in_flight=entry.in_flight,
                     concurrency_limit=self.allowance(entry),
                     served_total=entry.served_total,
                     reason=self._reason(entry),
                     triton_url=entry.triton_url,
+                    found_by=entry.found_by,
                 )
             )
         return result

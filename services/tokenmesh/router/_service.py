@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenmesh.config import env_name
+from tokenmesh.discovery import Discovery, DnsResolver
 from tokenmesh.lifecycle import Service
 from tokenmesh.process import dies_with_parent, stop_process
 from tokenmesh.retry import Reconnect, StreamEnded, failure_name
@@ -65,8 +66,10 @@ class ControlServicer(router_pb2_grpc.ControlServicer):
 
     Args:
         pool: the workers; tables are applied to it.
-        on_new_worker: gets each address a table adds (only with --discovery prober).
-        allowed: the workers a table may name (None: any, with --discovery prober).
+        on_new_worker: gets each address a table adds (only with adopt).
+        allowed: the workers a table may name (None: any).
+        adopt: a table may add workers (--discovery prober); otherwise a worker the router does not know is
+            passed over.
         peers: the sibling processes to pass tables on to (--processes > 1).
 
     """
@@ -74,6 +77,7 @@ class ControlServicer(router_pb2_grpc.ControlServicer):
     _pool: WorkerPool
     _new_workers: asyncio.Queue[str]
     _allowed: frozenset[str] | None
+    _adopt: bool
     _peers: Peers | None
 
     def __init__(
@@ -81,11 +85,13 @@ class ControlServicer(router_pb2_grpc.ControlServicer):
         pool: WorkerPool,
         on_new_worker: asyncio.Queue[str],
         allowed: frozenset[str] | None,
+        adopt: bool,
         peers: Peers | None = None,
     ) -> None:
         self._pool = pool
         self._new_workers = on_new_worker
         self._allowed = allowed
+        self._adopt = adopt
         self._peers = peers
 
     async def PushWeights(  # noqa: N802 - gRPC method name
@@ -101,7 +107,7 @@ class ControlServicer(router_pb2_grpc.ControlServicer):
         async for table in request_iterator:
             check_table(table, self._allowed)
             known = set(self._pool.entries)
-            applied = self._pool.apply(table)  # the admission hears of it from the pool
+            applied = self._pool.apply(table, adopt=self._adopt)  # the admission hears of it from the pool
             if applied and self._peers is not None and not from_sibling:
                 self._peers.forward(table)
             for address in set(self._pool.entries) - known:
@@ -132,6 +138,12 @@ class Router(Service):
     _channels: dict[str, grpc.aio.Channel]
     _stubs: dict[str, worker_pb2_grpc.WorkerStub]
     _new_workers: asyncio.Queue[str]
+    _watches: dict[str, asyncio.Task[Any]]
+    """Each worker's health watch task (cancelled when discovery drops the worker)."""
+    _closing: set[asyncio.Task[None]]
+    """Channels of dropped workers being closed."""
+    discovery: Discovery | None
+    """The worker names' lookups (--discovery dns)."""
 
     def __init__(self, config: RouterConfig) -> None:
         names = [
@@ -139,7 +151,8 @@ class Router(Service):
             router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
             router_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
         ]
-        host = ServiceHost(config.host, config.port, names, shared_port=config.processes > 1)
+        host = ServiceHost(config.host, config.port, names, shared_port=config.processes > 1,
+                           health_port=config.health_port)
         super().__init__(host, drain_grace_s=config.drain_grace_s, stop_grace_s=config.stop_grace_s)
         self.config = config
         self.pool = WorkerPool(policy=config.policy, share=(config.process_index, config.processes))
@@ -161,17 +174,54 @@ class Router(Service):
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool, self.admission), host.server)
         allowed = frozenset(config.workers) if config.discovery == "static" else None
-        control = ControlServicer(self.pool, self._new_workers, allowed, self.peers)
+        control = ControlServicer(self.pool, self._new_workers, allowed, config.discovery == "prober", self.peers)
         router_pb2_grpc.add_ControlServicer_to_server(control, host.server)
+        self._watches = {}
+        self._closing = set()
+        self.discovery = None
+        if config.discovery == "dns":
+            resolver = DnsResolver(config.discovery_dns_server)
+            self.discovery = Discovery(config.workers, resolver, self._found, self._let_go, what="worker")
 
-    def _watch(self, address: str) -> None:
+    def _watch(self, address: str, found_by: str = "static") -> None:
+        self.pool.add(address, found_by)  # one discovery had let go is taken back
         if address in self._channels:
             return
-        self.pool.add(address)
         channel = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
         self._channels[address] = channel
         self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
-        self.spawn(self._watch_worker(address, channel), f"health watch {address}")
+        self._watches[address] = self.spawn(self._watch_worker(address, channel), f"health watch {address}")
+
+    def _found(self, address: str, name: str) -> None:
+        self._watch(address, f"dns {name}")
+
+    def _let_go(self, address: str, why: str) -> None:
+        """Discovery lost the worker: drain it from routing; drop it once its streams ended."""
+        entry = self.pool.entries.get(address)
+        if entry is not None:
+            self.pool.let_go(entry, why)
+            self._drop_idle()
+
+    def _drop_idle(self) -> None:
+        """Forget every worker discovery let go that has no stream left here."""
+        for entry in [e for e in self.pool.entries.values() if e.gone and e.in_flight == 0]:
+            log.info("worker %s dropped (%s; no stream left)", entry.address, entry.gone)
+            self.pool.drop(entry)
+            self._watches.pop(entry.address).cancel()
+            spare = self.inference.spares.open_calls.pop(entry.address, None)
+            if spare is not None:
+                spare.cancel()
+            self._stubs.pop(entry.address, None)
+            closing = asyncio.create_task(self._channels.pop(entry.address).close())
+            self._closing.add(closing)  # held until done, so it is not collected mid-close
+            closing.add_done_callback(self._closing.discard)
+
+    async def _rediscover(self) -> None:
+        assert self.discovery is not None
+        while True:
+            await asyncio.sleep(self.config.discovery_interval_s)
+            await self.discovery.refresh()
+            self._drop_idle()
 
     async def _watch_worker(self, address: str, channel: grpc.aio.Channel) -> None:
         """Keep the pool's view of the worker's health and models current from health Watch and Describe."""
@@ -200,12 +250,16 @@ class Router(Service):
 
     async def _add_workers(self) -> None:
         while True:
-            self._watch(await self._new_workers.get())
+            self._watch(await self._new_workers.get(), "prober")
 
     async def _start(self) -> None:
-        """Start watching the configured workers, then SERVING."""
-        for address in self.config.workers:
-            self._watch(address)
+        """Start watching the configured (or the first discovered) workers, then SERVING."""
+        if self.discovery is not None:
+            await self.discovery.refresh()  # names that do not resolve yet are retried, never fatal
+            self.spawn(self._rediscover(), "DNS discovery")
+        else:
+            for address in self.config.workers:
+                self._watch(address)
         self.spawn(self._add_workers(), "worker discovery")
         if self.peers is not None:
             self.peers.register(self.host.private_address)

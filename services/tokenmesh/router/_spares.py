@@ -18,7 +18,7 @@ class Spares:
 
     Args:
         stubs: the router's worker stubs by address (shared: the router adds a stub per worker it learns of,
-            and never removes one).
+            and removes it, with the worker's spare, when discovery drops the worker).
 
     """
 

@@ -15,6 +15,8 @@ class WorkerConfig:
 
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50061, "gRPC port; 0 picks a free one")
+    health_port: int = setting(0, "also serve grpc.health.v1 alone (liveness, readiness, \"\"), plaintext, on this "
+                                  "port, for kubelet probes (which present no client certificate); 0 = off")
     triton_url: str = setting("", "use this running Triton (host:port, e.g. a sidecar) instead of starting one")
     triton_metrics_url: str = setting("", "that Triton's metrics endpoint (http://host:8002/metrics), for its "
                                           "pending count; ours is known")
@@ -39,6 +41,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         """Validate ranges."""
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
+        check(not self.health_port or self.health_port != self.port,
+              f"health_port must differ from port ({self.port}); 0 turns it off")
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         check(self.slots >= 0, f"slots must be >= 0, got {self.slots}")
         check(0 <= self.triton_nice <= 19, f"triton_nice must be 0..19, got {self.triton_nice}")

@@ -43,7 +43,7 @@ class Worker(Service):
 
     def __init__(self, config: WorkerConfig, backend: Backend | None = None) -> None:
         service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-        host = ServiceHost(config.host, config.port, [service_name])
+        host = ServiceHost(config.host, config.port, [service_name], health_port=config.health_port)
         super().__init__(host, drain_grace_s=config.drain_grace_s, stop_grace_s=config.stop_grace_s)
         self.config = config
         self._tmp = None

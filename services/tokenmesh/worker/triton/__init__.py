@@ -23,6 +23,7 @@ from tokenmesh.worker.triton._process import (
     PortTaken,
     TritonProcess,
     TritonProcessConfig,
+    synthetic_repository,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     "decode_first",
     "encode_bytes",
     "parse_pending",
+    "synthetic_repository",
 ]

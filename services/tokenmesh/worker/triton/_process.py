@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -34,6 +35,26 @@ SHIPPED_REPOSITORIES = {
     "synthetic": _WORKER_DIR / "synthetic_repository",
 }
 """The model repositories tokenmesh ships, by the model they hold (``tokenmesh up --model``)."""
+
+
+def synthetic_repository(folder: Path, **parameters: float) -> Path:
+    """A copy of the synthetic model's repository in folder with its config parameters set.
+
+    parameters: any of the model's ``config.pbtxt`` parameters (``ttft_ms``,
+    ``tokens_per_s``, ``responses_per_s``, ``n_parallel``, ``n_ctx``).
+    """
+    repository = folder / "synthetic_repository"
+    shutil.copytree(SHIPPED_REPOSITORIES["synthetic"], repository)
+    config = repository / "synthetic" / "config.pbtxt"
+    text = config.read_text()
+    for key, value in parameters.items():
+        pattern = rf'(parameters {{ key: "{key}" value: {{ string_value: ")[^"]*(" }} }})'
+        shown = str(int(value)) if float(value).is_integer() else repr(float(value))  # no exponents: int() reads it
+        text, found = re.subn(pattern, rf"\g<1>{shown}\g<2>", text)
+        if not found:
+            raise ValueError(f"the synthetic model has no parameter {key!r}")
+    config.write_text(text)
+    return repository
 
 
 class PortTaken(RuntimeError):
