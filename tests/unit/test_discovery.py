@@ -232,3 +232,28 @@ async def test_a_taken_health_port_is_named() -> None:
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} for health.*--health-port"):
             await host.start()
         await host.stop(0)
+
+
+def test_a_worker_found_after_the_table_arrived_takes_its_weight_from_that_table() -> None:
+    from tokenmesh.router._pool import WorkerPool
+
+    pool = WorkerPool()
+    pool.add("10.0.0.1:1", "dns w:1")
+    table = router_pb2.WeightTable(version=7, workers=[
+        router_pb2.WorkerWeight(address="10.0.0.1:1", weight=0.5, state=router_pb2.WORKER_STATE_SERVING, reason="a"),
+        router_pb2.WorkerWeight(address="10.0.0.2:1", weight=0.25, state=router_pb2.WORKER_STATE_SERVING, reason="b",
+                                concurrency_limit=8),
+    ])
+    assert pool.apply(table)  # without adopt, the worker the router has not found is passed over
+    assert set(pool.entries) == {"10.0.0.1:1"}
+    late = pool.add("10.0.0.2:1", "dns w:1")  # the router's own lookup finds it later
+    assert (late.weight, late.reason, late.limit) == (0.25, "b", 8)
+    unknown = pool.add("10.0.0.3:1", "dns w:1")
+    assert (unknown.weight, unknown.reason) == (0.0, "not in the prober's table")
+    pool.let_go(late, "gone from DNS name w:1")
+    assert pool.effective_weight(late) == 0
+    row = {w.address: w for w in pool.table().workers}["10.0.0.2:1"]
+    assert row.weight == 0 and row.reason.startswith("draining: gone from DNS name w:1")
+    assert pool.add("10.0.0.2:1", "dns w:1") is late and not late.gone  # listed again: taken back
+    pool.drop(unknown)
+    assert set(pool.entries) == {"10.0.0.1:1", "10.0.0.2:1"}
