@@ -217,10 +217,11 @@ async def _status(args: argparse.Namespace) -> int:
         table = await stub.GetRoutingTable(router_pb2.GetRoutingTableRequest(), timeout=5)
     arrived = table.received_at.ToDatetime().isoformat() + "Z" if table.version else "-"
     print(f"weight table version {table.version or 'none (even split over healthy workers)'}, arrived {arrived}")
-    print(f"{'ADDRESS':22} {'WEIGHT':>6} {'STATE':14} {'IN_FLIGHT':>9} {'SERVED':>7}  REASON")
+    print(f"{'ADDRESS':22} {'WEIGHT':>6} {'STATE':14} {'IN_FLIGHT':>9} {'SERVED':>7}  {'FOUND BY':24} REASON")
     for w in table.workers:
         state = router_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_")
-        print(f"{w.address:22} {w.weight:6.2f} {state:14} {w.in_flight:9d} {w.served_total:7d}  {w.reason}")
+        print(f"{w.address:22} {w.weight:6.2f} {state:14} {w.in_flight:9d} {w.served_total:7d}  {w.found_by:24} "
+              f"{w.reason}")
     return 0
 
 

@@ -1,0 +1,324 @@
+"""The Python client of ``tokenmesh.v1.Inference``: several routers, retries, transparent resume.
+
+A generation is one iterator of chunks whatever happens to the routers under
+it. Before the first chunk, transient failures (``UNAVAILABLE``: a router
+down, draining or unreachable; ``RESOURCE_EXHAUSTED`` with the router's
+``retry-after-ms`` hint) are retried on the next router, with full-jitter
+backoff, within one deadline. Once chunks flow, a stream that breaks (the
+router killed, the connection cut) is continued on another router with
+``Resume(request_id, after_seq=<last seq seen>)``: the worker kept the
+generation running for its resume grace, and the caller sees every ``seq``
+exactly once. For that every generation gets a request id (a fresh one when
+the caller gives none); a generation whose id the client made up is
+cancelled when the caller stops reading, since nobody else could resume it.
+Errors are the mesh's :class:`~tokenmesh.errors.MeshError` classes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import random
+import socket
+import time
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+
+from tokenmesh.config import address_error
+from tokenmesh.errors import DeadlineExceeded, MeshError, Unavailable, from_rpc_error
+from tokenmesh.retry import retry_hint_s
+from tokenmesh.server import CHANNEL_OPTIONS
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+BROKEN_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+})
+"""Codes a stream ends with when the router or the connection went away mid-stream (a killed router's stream
+ends UNAVAILABLE, a reset one CANCELLED or INTERNAL "RST_STREAM"): resumed, not raised."""
+
+
+class Client:
+    """Async client of the mesh's ``Inference`` service over several routers.
+
+    Args:
+        routers: ``host:port`` of each router, or one DNS name whose A records are the routers (looked up
+            again whenever every address failed).
+        retry_deadline_s: how long a generation may take to get going (retries before its first chunk) and,
+            after a break, to be resumed.
+        max_resumes: how many times one generation may be resumed after its stream broke.
+        initial_backoff_s: upper bound of the first wait between attempts (it doubles, up to 2 s).
+
+    """
+
+    _names: tuple[str, ...]
+    _addresses: list[str]
+    _resolved_at: float
+    _turn: int
+    _channels: dict[str, grpc.aio.Channel]
+    retry_deadline_s: float
+    max_resumes: int
+    initial_backoff_s: float
+    _background: set[asyncio.Task[Any]]
+
+    def __init__(
+        self,
+        routers: str | Sequence[str],
+        *,
+        retry_deadline_s: float = 30.0,
+        max_resumes: int = 8,
+        initial_backoff_s: float = 0.05,
+    ) -> None:
+        names = tuple(a.strip() for a in (routers.split(",") if isinstance(routers, str) else routers) if a.strip())
+        if not names:
+            raise ValueError("give at least one router address host:port")
+        for name in names:
+            if problem := address_error(name):
+                raise ValueError(f"router address {name!r}: {problem}")
+        self._names = names
+        self._addresses = list(names)
+        self._resolved_at = 0.0
+        self._turn = random.randrange(len(names))  # noqa: S311 - spreads clients over routers, not security
+        self._channels = {}
+        self.retry_deadline_s = retry_deadline_s
+        self.max_resumes = max_resumes
+        self.initial_backoff_s = initial_backoff_s
+        self._background = set()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close every channel (cancels still on their way are given a moment)."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=2)
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    # -- routers ------------------------------------------------------------
+
+    async def _resolve(self) -> None:
+        """Expand DNS names into the routers behind them (IP hosts are taken as they are)."""
+        loop = asyncio.get_running_loop()
+        found: list[str] = []
+        for name in self._names:
+            host, _, port = name.rpartition(":")
+            try:
+                ipaddress.ip_address(host.strip("[]"))
+                found.append(name)
+                continue
+            except ValueError:
+                pass
+            try:
+                infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("router name %s does not resolve (%s); trying it as it is", name, exc)
+                found.append(name)
+                continue
+            for info in infos:
+                ip = str(info[4][0])
+                address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                if address not in found:
+                    found.append(address)
+        self._addresses = found or list(self._names)
+        self._resolved_at = time.monotonic()
+
+    async def _next_router(self, avoid: str = "") -> str:
+        """The next router in turn (another than avoid when there is one)."""
+        if not self._resolved_at:
+            await self._resolve()
+        self._turn += 1
+        addresses = self._addresses
+        address = addresses[self._turn % len(addresses)]
+        if address == avoid and len(addresses) > 1:
+            self._turn += 1
+            address = addresses[self._turn % len(addresses)]
+        return address
+
+    def _stub(self, address: str) -> inference_pb2_grpc.InferenceStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return inference_pb2_grpc.InferenceStub(channel)
+
+    async def _wait(self, failures: int, exc: BaseException | None, deadline: float) -> None:
+        """Full-jitter backoff (at least the server's retry hint), never past the deadline."""
+        wait = random.uniform(0, min(2.0, self.initial_backoff_s * 2 ** min(failures - 1, 20)))  # noqa: S311
+        hint = retry_hint_s(exc) if exc is not None else None
+        if hint is not None:
+            wait = max(wait, hint)
+        if failures % max(len(self._addresses), 1) == 0:
+            await self._resolve()  # every router failed once: the name's records may have changed
+        await asyncio.sleep(max(0.0, min(wait, deadline - time.monotonic())))
+
+    # -- calls --------------------------------------------------------------
+
+    async def generate(
+        self, request: inference_pb2.GenerateRequest, *, timeout: float | None = None
+    ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
+        """Stream a generation's chunks, seq 1, 2, 3... each exactly once, across router failures.
+
+        ``timeout`` bounds the whole generation (retries and resumes included); ``DeadlineExceeded`` after.
+        Raises the mesh's error for a status that is not transient (``InvalidArgument``, ``NotFound``...),
+        or the last transient one once ``retry_deadline_s`` passed without progress.
+        """
+        chosen = bool(request.request_id)
+        if not chosen:
+            request = _with_id(request)
+        finished = False
+        try:
+            async for chunk in self._follow(request, None, timeout):
+                finished = bool(chunk.finish_reason)
+                yield chunk
+        finally:
+            if not finished and not chosen:
+                self._cancel_later(request.request_id)
+
+    async def resume(
+        self, request_id: str, after_seq: int = 0, *, timeout: float | None = None
+    ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
+        """Chunks of a generation after after_seq (replayed, then live), across router failures."""
+        async for chunk in self._follow(None, inference_pb2.ResumeRequest(request_id=request_id, after_seq=after_seq),
+                                        timeout):
+            yield chunk
+
+    async def _follow(
+        self,
+        request: inference_pb2.GenerateRequest | None,
+        resume: inference_pb2.ResumeRequest | None,
+        timeout: float | None,
+    ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
+        """The chunks of request (Generate) or of resume (Resume), continued on other routers when a stream breaks.
+
+        Which call goes next: Generate until a router may have started the
+        generation; from then on Resume(after_seq=last seq yielded). A Resume
+        that finds nothing before any chunk arrived (NOT_FOUND: the router that
+        had it never reached a worker) goes back to Generate.
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        if request is not None:
+            request_id, last, resuming = request.request_id, 0, False
+        else:
+            assert resume is not None
+            request_id, last, resuming = resume.request_id, resume.after_seq, True
+        failures = resumes = 0
+        progress_at = time.monotonic()
+        address = ""
+        stay = False
+        while True:
+            if not stay:
+                address = await self._next_router(avoid=address)
+            stay = False
+            remaining = None if end is None else end - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded(f"generation {request_id} did not finish within {timeout:g} s")
+            stub = self._stub(address)
+            if resuming:
+                resume = inference_pb2.ResumeRequest(request_id=request_id, after_seq=last)
+                call = stub.Resume(resume, timeout=remaining)
+            else:
+                call = stub.Generate(request, timeout=remaining)
+            broken: grpc.aio.AioRpcError | None = None
+            try:
+                async for chunk in call:
+                    if chunk.seq <= last:
+                        continue  # a replay overlapping what the caller has
+                    last = chunk.seq
+                    failures, progress_at = 0, time.monotonic()
+                    yield chunk
+                    if chunk.finish_reason:
+                        return
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if resuming and code == grpc.StatusCode.NOT_FOUND and request is not None and last == 0:
+                    resuming, stay = False, True  # nothing was started: start it now, on this router (it answers)
+                    continue
+                started_maybe = code in BROKEN_CODES
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED or not (started_maybe or _transient_before_start(exc)):
+                    raise from_rpc_error(exc) from exc
+                broken = exc
+                # A refusal (RESOURCE_EXHAUSTED with a hint) started nothing; anything else may have.
+                resuming = resuming or started_maybe
+            else:
+                resuming = True  # the stream ended without a final chunk
+            if last:
+                resumes += 1
+            if resumes > self.max_resumes or time.monotonic() - progress_at > self.retry_deadline_s:
+                if broken is not None:
+                    raise from_rpc_error(broken) from broken
+                raise Unavailable(f"generation {request_id}: router {address} ended the stream without a final "
+                                  "chunk, too often")
+            failures += 1
+            log.info("generation %s: router %s failed after seq %d (%s); %s on another router", request_id, address,
+                     last, _describe(broken) if broken else "stream ended early",
+                     "resuming" if resuming else "retrying")
+            await self._wait(failures, broken, progress_at + self.retry_deadline_s)
+
+    def _cancel_later(self, request_id: str) -> None:
+        """Stop a generation nobody reads any more (in the background: the caller is leaving)."""
+        with contextlib.suppress(RuntimeError):  # no running loop: the process is going away
+            task = asyncio.get_running_loop().create_task(self._quiet_cancel(request_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _quiet_cancel(self, request_id: str) -> None:
+        with contextlib.suppress(MeshError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+            await self.cancel(request_id, timeout=2)
+
+    async def cancel(self, request_id: str, *, timeout: float = 5.0) -> inference_pb2.CancelResponse:
+        """Stop a generation wherever it runs (any router finds it)."""
+        response: inference_pb2.CancelResponse = await self._unary("Cancel", inference_pb2.CancelRequest(
+            request_id=request_id), timeout)
+        return response
+
+    async def list_models(self, *, timeout: float = 5.0) -> inference_pb2.ListModelsResponse:
+        """The models the mesh serves."""
+        response: inference_pb2.ListModelsResponse = await self._unary("ListModels",
+                                                                       inference_pb2.ListModelsRequest(), timeout)
+        return response
+
+    async def _unary(self, method: str, request: Any, timeout: float) -> Any:
+        """A unary call, tried on the next router while the failure is transient, within timeout."""
+        end = time.monotonic() + timeout
+        failures = 0
+        address = ""
+        while True:
+            address = await self._next_router(avoid=address)
+            try:
+                return await getattr(self._stub(address), method)(request, timeout=max(0.001, end - time.monotonic()))
+            except grpc.aio.AioRpcError as exc:
+                failures += 1
+                if not _transient_before_start(exc) or time.monotonic() >= end:
+                    raise from_rpc_error(exc) from exc
+                await self._wait(failures, exc, end)
+
+
+def _with_id(request: inference_pb2.GenerateRequest) -> inference_pb2.GenerateRequest:
+    copy = inference_pb2.GenerateRequest()
+    copy.CopyFrom(request)
+    copy.request_id = uuid.uuid4().hex
+    return copy
+
+
+def _transient_before_start(exc: grpc.aio.AioRpcError) -> bool:
+    """UNAVAILABLE, or RESOURCE_EXHAUSTED with a retry hint: another router (or later) may take it."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE or retry_hint_s(exc) is not None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {(exc.details() or '').splitlines()[0] if exc.details() else ''}"
+    return str(exc)
