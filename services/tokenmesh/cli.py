@@ -22,11 +22,13 @@ from tokenmesh.errors import MeshError, from_rpc_error
 DEFAULT_ADDR = "127.0.0.1:50051"
 
 
-def _add_addr(parser: argparse.ArgumentParser) -> None:
+def _add_addr(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    what = ("router addresses host:port, comma-separated (a stream that breaks resumes on another)" if several
+            else "router address host:port")
     parser.add_argument(
         "--addr",
         default=os.environ.get("TOKENMESH_ADDR", DEFAULT_ADDR),
-        help=f"router address host:port (env TOKENMESH_ADDR; default {DEFAULT_ADDR})",
+        help=f"{what} (env TOKENMESH_ADDR; default {DEFAULT_ADDR})",
     )
 
 
@@ -76,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--request-id", default="", help="idempotency key (default: router assigns one)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
     gen.add_argument("--verbose", "-v", action="store_true", help="print each chunk's seq and counts to stderr")
-    _add_addr(gen)
+    _add_addr(gen, several=True)
 
     bench = sub.add_parser(
         "bench", help="measure TTFT, TPOT, ITL, throughput and interruptions of the mesh or of Triton directly",
@@ -177,7 +179,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+    from tokenmesh.v1 import inference_pb2
 
     request = inference_pb2.GenerateRequest(model=args.model, request_id=args.request_id)
     if args.chat:
@@ -192,9 +194,14 @@ async def _generate(args: argparse.Namespace) -> int:
         request.temperature = args.temperature
     if args.seed is not None:
         request.seed = args.seed
-    async with grpc.aio.insecure_channel(args.addr) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        async for chunk in stub.Generate(request, timeout=args.timeout):
+    from tokenmesh.client import Client
+
+    try:
+        client = Client(args.addr)
+    except ValueError as exc:
+        raise ConfigError(f"--addr: {exc}") from None
+    async with client:
+        async for chunk in client.generate(request, timeout=args.timeout):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             if args.verbose:

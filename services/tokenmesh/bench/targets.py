@@ -16,8 +16,9 @@ from tritonclient.utils import InferenceServerException
 
 from tokenmesh.bench.metrics import RequestResult
 from tokenmesh.bench.prompts import Prompt
-from tokenmesh.errors import from_rpc_error
-from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
+from tokenmesh.client import Client
+from tokenmesh.errors import MeshError, from_rpc_error
+from tokenmesh.v1 import inference_pb2, router_pb2, router_pb2_grpc
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -45,7 +46,12 @@ class Target(abc.ABC):
 
 
 class MeshTarget(Target):
-    """``tokenmesh.v1.Inference/Generate`` on a router."""
+    """``tokenmesh.v1.Inference/Generate`` through :class:`tokenmesh.client.Client`, as internal callers use it.
+
+    ``addr`` may name several routers (comma-separated): the client spreads
+    generations over them, retries before the first chunk and resumes a
+    broken stream on another router, so the figures are what such a caller sees.
+    """
 
     name = "mesh"
 
@@ -55,17 +61,19 @@ class MeshTarget(Target):
         self.ignore_eos = ignore_eos
         self.seed = seed
         self._channel: grpc.aio.Channel | None = None
-        self._stub: inference_pb2_grpc.InferenceStub | None = None
+        self._client: Client | None = None
 
     async def open(self) -> None:
         """Connect and resolve the model (the default when none is named)."""
-        self._channel = grpc.aio.insecure_channel(self.addr)
-        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
         try:
-            listed = await self._stub.ListModels(inference_pb2.ListModelsRequest(), timeout=CONNECT_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            error = from_rpc_error(exc)
-            raise TargetError(f"cannot reach the mesh at {self.addr}: {error.grpc_code.name}: {error.message}") from exc
+            self._client = Client(self.addr)
+        except ValueError as exc:
+            raise TargetError(f"--addr: {exc}") from exc
+        self._channel = grpc.aio.insecure_channel(self.addr.split(",")[0].strip())  # the routing table's router
+        try:
+            listed = await self._client.list_models(timeout=CONNECT_TIMEOUT_S)
+        except MeshError as exc:
+            raise TargetError(f"cannot reach the mesh at {self.addr}: {exc.grpc_code.name}: {exc.message}") from exc
         names = [m.name for m in listed.models]
         if not names:
             raise TargetError(f"the mesh at {self.addr} serves no model now (no live worker); try again shortly")
@@ -92,13 +100,15 @@ class MeshTarget(Target):
         return urls
 
     async def close(self) -> None:
-        """Close the channel."""
+        """Close the channels."""
         if self._channel is not None:
             await self._channel.close()
+        if self._client is not None:
+            await self._client.close()
 
     async def run(self, prompt: Prompt, result: RequestResult) -> None:
-        """Stream one generation; a seq that skips or repeats ends it as SEQ_GAP."""
-        assert self._stub is not None
+        """Stream one generation; a seq that skips ends it as SEQ_GAP (the client drops repeats of a replay)."""
+        assert self._client is not None
         request = inference_pb2.GenerateRequest(
             model=self.model, prompt=prompt.text, max_tokens=prompt.max_tokens, ignore_eos=self.ignore_eos)
         for role, content in prompt.messages:
@@ -107,7 +117,7 @@ class MeshTarget(Target):
             request.seed = self.seed
         expected = 1
         try:
-            async for chunk in self._stub.Generate(request):
+            async for chunk in self._client.generate(request):
                 now = time.monotonic()
                 if chunk.seq != expected:
                     result.error = "SEQ_GAP"
@@ -130,8 +140,8 @@ class MeshTarget(Target):
                         result.error = "FINISH_REASON_ERROR"
             if result.ended is None:
                 result.error, result.ended = "NO_FINAL_CHUNK", time.monotonic()
-        except grpc.aio.AioRpcError as exc:
-            result.error = from_rpc_error(exc).grpc_code.name
+        except MeshError as exc:
+            result.error = exc.grpc_code.name
             result.ended = time.monotonic()
 
 
