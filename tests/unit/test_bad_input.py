@@ -364,3 +364,21 @@ def test_every_rpc_has_a_case() -> None:
                 worker_pb2.DESCRIPTOR.services_by_name["Worker"]]
     every = {f"{s.name}/{m.name}" for s in services for m in s.methods}
     assert set(CASES) | NO_INPUT == every
+
+
+async def test_a_chat_for_a_prompt_only_model_is_a_caller_error_not_a_worker_failure() -> None:
+    from .conftest import in_process_mesh
+
+    async with in_process_mesh(backend_settings={"chat": False}) as mesh:
+        chat = inference_pb2.GenerateRequest(max_tokens=3)
+        chat.messages.add(role="user", content="hi")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            [c async for c in mesh.inference.Generate(chat)]
+        assert info.value.code() == INVALID
+        assert "takes a prompt only" in (info.value.details() or "")
+        assert "send `prompt` with the chat template applied" in (info.value.details() or "")
+        assert not any(b.started for b in mesh.backends)
+        table = await mesh.operator.GetRoutingTable(router_pb2.GetRoutingTableRequest())
+        assert all(w.weight > 0 and "avoided" not in w.reason for w in table.workers)  # no worker blamed
+        chunks = [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="hi", max_tokens=3))]
+        assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH

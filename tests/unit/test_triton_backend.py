@@ -40,7 +40,10 @@ class FakeClient:
 
     async def get_model_config(self, name: str, as_json: bool, client_timeout: float) -> dict[str, Any]:
         parameters = {"n_parallel": {"string_value": "2"}, "n_ctx": {"string_value": "4096"}}
-        return {"config": {"name": name, "parameters": parameters}}
+        inputs = [{"name": "text_input"}, {"name": "stream"}, {"name": "sampling_parameters"}]
+        if name == "m":  # ours declare the messages extension; the stock vLLM backend does not
+            inputs.append({"name": "messages"})
+        return {"config": {"name": name, "parameters": parameters, "input": inputs}}
 
     async def is_model_ready(self, name: str, client_timeout: float) -> bool:
         return not self.closed

@@ -24,6 +24,9 @@ class ModelSpec:
     """Context window per request in tokens (prompt plus output)."""
     slots: int
     """Generations the model runs at once."""
+    chat: bool = True
+    """It takes a ``messages`` input and applies its chat template (our models do; the stock vLLM backend
+    takes a prompt only)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,6 +147,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not req.HasField("max_tokens"):
             raise InvalidArgument("start.max_tokens is required (the router sets the default)")
         check_max_tokens(req, spec.name, spec.max_context)
+        if req.messages and not spec.chat:
+            # Sent anyway, Triton refuses the unknown input, which reads as a backend failure and fails over.
+            raise InvalidArgument(f"model {spec.name!r} takes a prompt only: its Triton model declares no "
+                                  "`messages` input (as the stock vLLM backend); send `prompt` with the chat "
+                                  "template applied")
         params = GenerationParams(
             model=spec.name,
             prompt=req.prompt,

@@ -155,7 +155,8 @@ class TritonBackend(Backend):
             slots = int(parameters.get("n_parallel") or self.config.default_slots)
             n_ctx = parameters.get("n_ctx")
             max_context = int(n_ctx) // slots if n_ctx else self.config.default_max_context
-            specs.append(ModelSpec(name=name, max_context=max_context, slots=slots))
+            chat = any(i.get("name") == "messages" for i in config.get("input", []))
+            specs.append(ModelSpec(name=name, max_context=max_context, slots=slots, chat=chat))
         return specs
 
     async def ready(self) -> bool:
