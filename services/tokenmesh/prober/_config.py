@@ -15,6 +15,7 @@ class ProberConfig:
     port: int = setting(50071, "gRPC port; 0 picks a free one")
     health_port: int = setting(0, "also serve grpc.health.v1 alone (liveness, readiness, \"\"), plaintext, on this "
                                   "port, for kubelet probes (which present no client certificate); 0 = off")
+    metrics_port: int = setting(0, "serve Prometheus metrics on http://host:PORT/metrics; 0 = off")
     workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated (with --discovery dns: "
                                            "DNS names host:port, e.g. a headless Service's)", parse=csv)
     routers: tuple[str, ...] = setting((), "router addresses host:port to push weights to, comma-separated (with "
@@ -40,6 +41,7 @@ class ProberConfig:
         """Validate ranges."""
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
         check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
+        check(0 <= self.metrics_port <= 65535, f"metrics_port must be 0..65535, got {self.metrics_port}")
         check(not self.health_port or self.health_port != self.port,
               f"health_port must differ from port ({self.port}); 0 turns it off")
         check(bool(self.workers), "give at least one worker address (--workers host:port,...)")

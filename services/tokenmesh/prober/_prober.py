@@ -22,7 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenmesh.discovery import Discovery, DnsResolver
 from tokenmesh.lifecycle import Service
+from tokenmesh.metrics import MetricsEndpoint
 from tokenmesh.prober._config import ProberConfig
+from tokenmesh.prober._metrics import ProberMetrics
 from tokenmesh.prober._weights import Scoring, WorkerView, compute_weight, nonsense
 from tokenmesh.retry import Reconnect, StreamEnded, failure_name, write
 from tokenmesh.server import CHANNEL_OPTIONS, ServiceHost, write_ready_file
@@ -58,6 +60,8 @@ class Prober(Service):
     table: router_pb2.WeightTable
     """The table decided last (version 0: none yet)."""
     scoring: Scoring
+    metrics: ProberMetrics
+    metrics_endpoint: MetricsEndpoint | None
     _next_version: int
     _changed: asyncio.Event
     _links: dict[str, tuple[grpc.aio.Channel, list[asyncio.Task[Any]]]]
@@ -79,6 +83,9 @@ class Prober(Service):
             memory_threshold=config.memory_threshold,
             ttft_slo_ms=config.ttft_slo_ms,
         )
+        self.metrics = ProberMetrics()
+        self.metrics.watch(self)
+        self.metrics_endpoint = None
         self._next_version = int(time.time() * 1000)  # grows across prober restarts
         self._changed = asyncio.Event()
         self._links = {}
@@ -199,6 +206,7 @@ class Prober(Service):
             table = router_pb2.WeightTable(version=self._next_version, workers=workers)
             table.decided_at.GetCurrentTime()
             self.table = table
+            self.metrics.tables.inc()
             log.debug(
                 "weights v%d: %s",
                 table.version,
@@ -285,6 +293,9 @@ class Prober(Service):
 
     async def _start(self) -> None:
         """Start watching and pushing; ready once the loops run."""
+        if self.config.metrics_port:
+            self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, self.config.host,
+                                                    self.config.metrics_port, "prober")
         if self._discoveries:
             # Names that do not resolve yet are retried every interval, never fatal.
             await asyncio.gather(*(d.refresh() for d in self._discoveries))
@@ -301,5 +312,7 @@ class Prober(Service):
         write_ready_file(self.config.ready_file, address=self.host.address, pid=os.getpid())
 
     async def _close(self) -> None:
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
         for channel, _ in self._links.values():
             await channel.close()

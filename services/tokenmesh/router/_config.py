@@ -28,6 +28,10 @@ class RouterConfig:
     discovery_interval_s: float = setting(5.0, "with --discovery dns: seconds between lookups of the names")
     discovery_dns_server: str = setting("", "with --discovery dns: the DNS server ip:port to ask; empty = the "
                                             "system's (/etc/resolv.conf, with its search domains)")
+    metrics_port: int = setting(0, "serve Prometheus metrics on http://host:PORT/metrics; 0 = off (with "
+                                   "--processes N, process i serves on PORT + i)")
+    metrics_tenants: tuple[str, ...] = setting((), "tenants (labels['tenant']) that get their own metric label, "
+                                                   "comma-separated; every other tenant counts as 'other'", parse=csv)
     default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset")
     max_prompt_bytes: int = setting(1024 * 1024, "largest prompt (or sum of message contents) accepted, in bytes")
     ttft_timeout_s: float = setting(30.0, "a worker that sends no first chunk within this is failed over")
@@ -51,6 +55,7 @@ class RouterConfig:
         """Validate ranges."""
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
         check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
+        check(0 <= self.metrics_port <= 65535, f"metrics_port must be 0..65535, got {self.metrics_port}")
         check(not self.health_port or self.health_port != self.port,
               f"health_port must differ from port ({self.port}); 0 turns it off")
         check(self.ttft_timeout_s > 0, f"ttft_timeout_s must be > 0, got {self.ttft_timeout_s}")

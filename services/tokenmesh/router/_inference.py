@@ -21,6 +21,7 @@ from tokenmesh.errors import (
     CALLER_ERROR_CLASSES,
     AlreadyExists,
     Cancelled,
+    MeshError,
     NotFound,
     ResourceExhausted,
     Unavailable,
@@ -31,6 +32,7 @@ from tokenmesh.retry import write
 from tokenmesh.router._admission import FAILOVER, Admission, level
 from tokenmesh.router._cancels import WorkerCancels
 from tokenmesh.router._config import RouterConfig
+from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._pool import WorkerEntry, WorkerPool, prefix_key
 from tokenmesh.router._relay import CALLER_CODES, Live, Progress, Relay, WorkerFailed, chunk, continuation
 from tokenmesh.router._spares import Spares
@@ -70,6 +72,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     _admission: Admission
     _stubs: dict[str, worker_pb2_grpc.WorkerStub]
     _relay: Relay
+    metrics: RouterMetrics
 
     def __init__(
         self,
@@ -77,7 +80,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         pool: WorkerPool,
         stubs: dict[str, worker_pb2_grpc.WorkerStub],
         admission: Admission,
+        metrics: RouterMetrics,
     ) -> None:
+        self.metrics = metrics
         self._config = config
         self._pool = pool
         self._admission = admission
@@ -94,11 +99,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         """Admit, pick a worker, relay its chunks with seq 1..N; fail over when a worker fails."""
-        self._refuse_if_draining()
-        model = validate(request, self._pool, self._config.max_prompt_bytes)
-        request_id = request.request_id or uuid.uuid4().hex
-        if request_id in self.live:
-            raise AlreadyExists(f"request_id {request_id!r} is live already; use a new id, or Resume it")
+        try:
+            self._refuse_if_draining()
+            model = validate(request, self._pool, self._config.max_prompt_bytes)
+            request_id = request.request_id or uuid.uuid4().hex
+            if request_id in self.live:
+                raise AlreadyExists(f"request_id {request_id!r} is live already; use a new id, or Resume it")
+        except MeshError as error:
+            self.metrics.refused(error.grpc_code.name.lower(), request.labels.get("tenant", ""))
+            raise
         base = inference_pb2.GenerateRequest()
         base.CopyFrom(request)
         base.request_id = request_id
@@ -110,12 +119,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         attempts = 0
         tenant = request.labels.get("tenant", "")
         key = prefix_key(request)
+        track = self.metrics.generation(model.name, tenant)
         try:
             while True:
                 forward = continuation(base, progress)
                 if forward is None:
                     # Every requested token reached the caller; only the end was lost.
-                    yield _final(request_id, model.name, progress, inference_pb2.FINISH_REASON_LENGTH)
+                    final = _final(request_id, model.name, progress, inference_pb2.FINISH_REASON_LENGTH)
+                    track.chunk(final, "")
+                    yield final
                     return
                 # Workers that just failed are avoided (suspended) for a while. The
                 # first attempt fails fast when no worker is live at all and
@@ -127,20 +139,27 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 except Cancelled:
                     # Cancelled before a worker took it (queued, or between two workers): it ends
                     # as a cancelled generation on a worker does, with a final CANCELLED chunk.
-                    yield _final(request_id, model.name, progress, inference_pb2.FINISH_REASON_CANCELLED)
+                    final = _final(request_id, model.name, progress, inference_pb2.FINISH_REASON_CANCELLED)
+                    track.chunk(final, "")
+                    yield final
                     return
                 if attempts == 0:
-                    progress.timing.queue_ms = (time.monotonic() - waited) * 1000
+                    queued_s = time.monotonic() - waited
+                    progress.timing.queue_ms = queued_s * 1000
+                    track.queued(queued_s, request.priority)
                 attempts += 1
                 try:
                     relay = self._relay.run(entry, forward, live, context, progress,
                                             resumable=bool(request.request_id))
                     async with contextlib.aclosing(relay):
                         async for piece in relay:
+                            track.chunk(piece, entry.address)
                             yield piece
                     return
                 except WorkerFailed as failure:
                     self._pool.suspend(entry, self._config.stall_timeout_s, str(failure))
+                    track.worker_failed(entry.address, failure.kind, migrated=0 < progress.seq
+                                        and attempts <= self._config.max_migrations)
                     if attempts > self._config.max_migrations:
                         raise Unavailable(
                             f"generation {request_id} failed on {attempts} workers; last: {failure}"
@@ -156,6 +175,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     )
                 finally:
                     self._admission.release(entry, tenant)
+        except MeshError as error:
+            track.failed(error.grpc_code.name.lower(), progress.seq > 0)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            if not track.finished:
+                track.failed("caller_gone", progress.seq > 0)
+            raise
         finally:
             self._end(request_id)
 
@@ -204,6 +230,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         """Find the worker holding request_id; replay chunks after after_seq, then follow live."""
+        try:
+            async for piece in self._resume(request, context):
+                yield piece
+        except MeshError as error:
+            self.metrics.resumes.labels(error.grpc_code.name.lower()).inc()
+            raise
+        self.metrics.resumes.labels("ok").inc()
+
+    async def _resume(
+        self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         request_id = request.request_id
         require_request_id(request_id)
         held = self.live.get(request_id)
@@ -259,6 +296,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> inference_pb2.CancelResponse:
         """Stop a generation: on this router's stream, or on whichever worker holds it."""
+        try:
+            response = await self._cancel(request, context)
+        except MeshError as error:
+            self.metrics.cancels.labels(error.grpc_code.name.lower()).inc()
+            raise
+        self.metrics.cancels.labels("ok").inc()
+        return response
+
+    async def _cancel(
+        self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> inference_pb2.CancelResponse:
         request_id = request.request_id
         require_request_id(request_id)
         live = self.live.get(request_id)

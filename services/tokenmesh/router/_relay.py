@@ -59,7 +59,20 @@ class Live:
 
 
 class WorkerFailed(Exception):
-    """The worker could not run the generation; another worker may."""
+    """The worker could not run the generation; another worker may.
+
+    Args:
+        message: what happened, for logs and the caller's error.
+        kind: which failure, from a small fixed set (a metric label): ``closed``, ``seq_gap``, ``stall``, a
+            status code's name (``unavailable``...) or the worker's error class (``backend``, ``out_of_memory``...).
+
+    """
+
+    kind: str
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
@@ -78,6 +91,11 @@ class Progress:
     """When the router received the request."""
     timing: inference_pb2.Timing = field(default_factory=inference_pb2.Timing)
     """Where the time to the first token went (sent on the final chunk)."""
+
+
+def error_kind(error_class: worker_pb2.ErrorClass) -> str:
+    """A worker error class as a metric label: ERROR_CLASS_OUT_OF_MEMORY -> out_of_memory."""
+    return worker_pb2.ErrorClass.Name(error_class).removeprefix("ERROR_CLASS_").lower()
 
 
 def continuation(base: inference_pb2.GenerateRequest, progress: Progress) -> inference_pb2.GenerateRequest | None:
@@ -245,7 +263,7 @@ class Relay:
                 watchdog.reading()
                 event = await call.read()
                 if event is grpc.aio.EOF:
-                    raise WorkerFailed("worker closed the stream without an end")
+                    raise WorkerFailed("worker closed the stream without an end", "closed")
                 watchdog.fed()
                 received = True
                 kind = event.WhichOneof("event")
@@ -253,9 +271,9 @@ class Relay:
                     finished = True
                     if event.error.error_class in CALLER_ERROR_CLASSES:
                         raise from_generation_error(event.error)
-                    raise WorkerFailed(event.error.message)
+                    raise WorkerFailed(event.error.message, error_kind(event.error.error_class))
                 if event.seq != progress.seq + 1:
-                    raise WorkerFailed(f"worker sent seq {event.seq}, expected {progress.seq + 1}")
+                    raise WorkerFailed(f"worker sent seq {event.seq}, expected {progress.seq + 1}", "seq_gap")
                 if event.seq == 1:
                     if event.chunk.HasField("engine_ttft_ms"):
                         progress.timing.engine_ttft_ms = event.chunk.engine_ttft_ms
@@ -279,10 +297,10 @@ class Relay:
             # mid-stream it is the caller reading too slowly (the worker's replay buffer overflowed).
             if code in CALLER_CODES or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and received):
                 raise from_rpc_error(exc) from exc
-            raise WorkerFailed(f"{code.name}: {exc.details()}") from exc
+            raise WorkerFailed(f"{code.name}: {exc.details()}", code.name.lower()) from exc
         except asyncio.CancelledError:
             if watchdog.stalled:
-                raise WorkerFailed(watchdog.stalled) from None
+                raise WorkerFailed(watchdog.stalled, "stall") from None
             detach = resumable  # the caller went away
             raise
         except GeneratorExit:

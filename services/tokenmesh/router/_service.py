@@ -20,11 +20,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenmesh.config import env_name
 from tokenmesh.discovery import Discovery, DnsResolver
 from tokenmesh.lifecycle import Service
+from tokenmesh.metrics import MetricsEndpoint
 from tokenmesh.process import dies_with_parent, stop_process
 from tokenmesh.retry import Reconnect, StreamEnded, failure_name
 from tokenmesh.router._admission import Admission
 from tokenmesh.router._config import RouterConfig
 from tokenmesh.router._inference import InferenceServicer
+from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._peers import FORWARDED, Peers
 from tokenmesh.router._pool import WorkerPool
 from tokenmesh.router._tables import check_table
@@ -70,6 +72,7 @@ class ControlServicer(router_pb2_grpc.ControlServicer):
         allowed: the workers a table may name (None: any).
         adopt: a table may add workers (--discovery prober); otherwise a worker the router does not know is
             passed over.
+        metrics: counts the tables and their propagation.
         peers: the sibling processes to pass tables on to (--processes > 1).
 
     """
@@ -78,6 +81,7 @@ class ControlServicer(router_pb2_grpc.ControlServicer):
     _new_workers: asyncio.Queue[str]
     _allowed: frozenset[str] | None
     _adopt: bool
+    _metrics: RouterMetrics
     _peers: Peers | None
 
     def __init__(
@@ -86,8 +90,10 @@ class ControlServicer(router_pb2_grpc.ControlServicer):
         on_new_worker: asyncio.Queue[str],
         allowed: frozenset[str] | None,
         adopt: bool,
+        metrics: RouterMetrics,
         peers: Peers | None = None,
     ) -> None:
+        self._metrics = metrics
         self._pool = pool
         self._new_workers = on_new_worker
         self._allowed = allowed
@@ -108,6 +114,9 @@ class ControlServicer(router_pb2_grpc.ControlServicer):
             check_table(table, self._allowed)
             known = set(self._pool.entries)
             applied = self._pool.apply(table, adopt=self._adopt)  # the admission hears of it from the pool
+            self._metrics.tables.labels("yes" if applied else "no").inc()
+            if applied and table.HasField("decided_at"):
+                self._metrics.propagation.observe(self._pool.propagation_ms / 1000)
             if applied and self._peers is not None and not from_sibling:
                 self._peers.forward(table)
             for address in set(self._pool.entries) - known:
@@ -144,6 +153,8 @@ class Router(Service):
     """Channels of dropped workers being closed."""
     discovery: Discovery | None
     """The worker names' lookups (--discovery dns)."""
+    metrics: RouterMetrics
+    metrics_endpoint: MetricsEndpoint | None
 
     def __init__(self, config: RouterConfig) -> None:
         names = [
@@ -170,11 +181,15 @@ class Router(Service):
         self.admission = Admission(
             self.pool, max_queue=config.max_queue, queue_timeout_s=config.queue_timeout_s, aging_s=config.aging_s
         )
-        self.inference = InferenceServicer(config, self.pool, self._stubs, self.admission)
+        self.metrics = RouterMetrics(config.metrics_tenants)
+        self.metrics_endpoint = None
+        self.metrics.watch(self.pool, self.admission)
+        self.inference = InferenceServicer(config, self.pool, self._stubs, self.admission, self.metrics)
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool, self.admission), host.server)
         allowed = frozenset(config.workers) if config.discovery == "static" else None
-        control = ControlServicer(self.pool, self._new_workers, allowed, config.discovery == "prober", self.peers)
+        control = ControlServicer(self.pool, self._new_workers, allowed, config.discovery == "prober", self.metrics,
+                                  self.peers)
         router_pb2_grpc.add_ControlServicer_to_server(control, host.server)
         self._watches = {}
         self._closing = set()
@@ -265,6 +280,9 @@ class Router(Service):
             self.peers.register(self.host.private_address)
             if self.config.process_index == 0:
                 await self._start_siblings()
+        if self.config.metrics_port:  # each process of a --processes router on its own port, one after the other
+            self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, self.config.host,
+                                                    self.config.metrics_port + self.config.process_index, "router")
         await self.host.set_ready(True)
         log.info("router%s SERVING on %s with workers %s",
                  f" process {self.config.process_index + 1}/{self.config.processes}" if self.peers else "",
@@ -302,6 +320,8 @@ class Router(Service):
             await asyncio.wait_for(self.inference.idle.wait(), self.drain_grace_s)
 
     async def _close(self) -> None:
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
         self.inference.spares.close()
         self.inference.cancels.close()
         for channel in self._channels.values():

@@ -17,6 +17,7 @@ class WorkerConfig:
     port: int = setting(50061, "gRPC port; 0 picks a free one")
     health_port: int = setting(0, "also serve grpc.health.v1 alone (liveness, readiness, \"\"), plaintext, on this "
                                   "port, for kubelet probes (which present no client certificate); 0 = off")
+    metrics_port: int = setting(0, "serve Prometheus metrics on http://host:PORT/metrics; 0 = off")
     triton_url: str = setting("", "use this running Triton (host:port, e.g. a sidecar) instead of starting one")
     triton_metrics_url: str = setting("", "that Triton's metrics endpoint (http://host:8002/metrics), for its "
                                           "pending count; ours is known")
@@ -42,6 +43,7 @@ class WorkerConfig:
         """Validate ranges."""
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
         check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
+        check(0 <= self.metrics_port <= 65535, f"metrics_port must be 0..65535, got {self.metrics_port}")
         check(not self.health_port or self.health_port != self.port,
               f"health_port must differ from port ({self.port}); 0 turns it off")
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from tokenmesh.lifecycle import Service
+from tokenmesh.metrics import MetricsEndpoint
 from tokenmesh.retry import Backoff, Reconnect
 from tokenmesh.server import ServiceHost, write_ready_file
 from tokenmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -39,6 +40,7 @@ class Worker(Service):
     config: WorkerConfig
     backend: Backend
     servicer: WorkerServicer
+    metrics_endpoint: MetricsEndpoint | None
     _tmp: tempfile.TemporaryDirectory[str] | None
 
     def __init__(self, config: WorkerConfig, backend: Backend | None = None) -> None:
@@ -48,6 +50,7 @@ class Worker(Service):
         self.config = config
         self._tmp = None
         self.backend = backend or self._triton_backend()
+        self.metrics_endpoint = None
         self.servicer = WorkerServicer(
             self.backend,
             nvml_reader(config.devices or None),
@@ -99,6 +102,9 @@ class Worker(Service):
 
     async def _start(self) -> None:
         log.info("worker listening on %s; starting backend", self.host.address)
+        if self.config.metrics_port:  # from the start: a model load that hangs shows there too
+            self.metrics_endpoint = MetricsEndpoint(self.servicer.metrics.registry, self.config.host,
+                                                    self.config.metrics_port, "worker")
         await self.backend.start()
         await self._warm_up()
         self.servicer.serving = True
@@ -170,6 +176,8 @@ class Worker(Service):
             await asyncio.wait_for(self.servicer.idle.wait(), self.drain_grace_s)
 
     async def _close(self) -> None:
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
         await self.servicer.registry.close()
         await self.backend.stop()
         if self._tmp is not None:

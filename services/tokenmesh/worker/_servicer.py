@@ -15,6 +15,7 @@ from tokenmesh.validation import check_max_tokens, check_request, require_reques
 from tokenmesh.worker._backend import Backend, BackendError, GenerationParams, ModelSpec
 from tokenmesh.worker._devices import DeviceReader
 from tokenmesh.worker._limits import Limits
+from tokenmesh.worker._metrics import WorkerMetrics
 from tokenmesh.worker._registry import Record, Registry
 from tokenmesh.worker._telemetry import Telemetry
 
@@ -65,6 +66,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._backend = backend
         self._devices = devices
         self._cuda_visible_devices = cuda_visible_devices
+        self.metrics = WorkerMetrics()
+        self.metrics.watch(self)
         self.registry = Registry(resume_grace_s, replay_buffer_bytes, self._settled, self._failed, self._timing)
         self.limits = Limits(backend, memory_threshold)
         self.telemetry = Telemetry(backend)
@@ -93,6 +96,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.telemetry.timing(ttft_s, gap_s)
         if ttft_s is not None:
             self.limits.adaptive().sample(ttft_s * 1000, queued=record.queued)
+            self.metrics.engine_ttft.observe(ttft_s)
+        elif gap_s is not None:
+            self.metrics.engine_itl.observe(gap_s)
 
     def engine_polled(self, pending: int | None) -> None:
         """The engine's queue was read: the concurrency limit follows it."""
@@ -102,10 +108,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _settled(self, record: Record) -> None:
         self.in_flight -= 1
         self.telemetry.tokens_total += record.tokens
+        self.metrics.settled(record.events[-1] if record.events else None, record.tokens)
         if record.events and record.events[-1].WhichOneof("event") == "end":
             self.telemetry.served_total += 1
         if self.in_flight == 0:
             self.idle.set()
+
+    def backend_models(self) -> bool:
+        """Whether the backend has a model loaded (the limit is known then)."""
+        return bool(self._backend.models())
 
     def _model(self, name: str) -> ModelSpec:
         models = self._backend.models()

@@ -1,0 +1,177 @@
+"""The router's Prometheus metrics: what callers feel, per model and worker, and the pool's state at scrape time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tokenmesh.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, TenantLabel
+from tokenmesh.router._admission import Admission
+from tokenmesh.router._pool import WorkerPool
+from tokenmesh.v1 import inference_pb2, router_pb2
+
+
+class RouterMetrics:
+    """Every metric of one router process, in its own registry.
+
+    Args:
+        tenants: the tenants that get their own ``tenant`` label value (the rest: ``other``).
+
+    """
+
+    registry: CollectorRegistry
+    tenant: TenantLabel
+
+    def __init__(self, tenants: tuple[str, ...] = ()) -> None:
+        r = self.registry = CollectorRegistry()
+        self.tenant = TenantLabel(tenants)
+        self.ttft = Histogram("tokenmesh_router_time_to_first_token_seconds",
+                              "From the request's arrival to its first text chunk leaving the router",
+                              ["model", "worker"], buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("tokenmesh_router_time_per_output_token_seconds",
+                              "(end - first token) / (output tokens - 1), per generation",
+                              ["model"], buckets=ITL_BUCKETS, registry=r)
+        self.itl = Histogram("tokenmesh_router_inter_token_latency_seconds",
+                             "Gap between two text chunks of a stream, as relayed", ["model"],
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenmesh_router_request_duration_seconds",
+                             "From the request's arrival to its end, by outcome", ["model", "outcome"],
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue = Histogram("tokenmesh_router_queue_wait_seconds",
+                               "Time a generation waited in the admission queue for a worker slot",
+                               ["model", "priority"], buckets=REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tokenmesh_router_prompt_tokens_total", "Prompt tokens of finished generations",
+                                     ["model"], registry=r)
+        self.output_tokens = Counter("tokenmesh_router_generation_tokens_total",
+                                     "Output tokens relayed to callers", ["model"], registry=r)
+        self.requests = Counter("tokenmesh_router_requests_total",
+                                "Generations by outcome: a finish reason (stop, length, cancelled, error) or "
+                                "the status code they ended with", ["model", "outcome", "tenant"], registry=r)
+        self.migrations = Counter("tokenmesh_router_migrations_total",
+                                  "Generations moved to another worker after output began, by failure",
+                                  ["model", "reason"], registry=r)
+        self.interruptions = Counter("tokenmesh_router_interruptions_total",
+                                     "Streams that ended in an error after their first chunk", ["model", "outcome"],
+                                     registry=r)
+        self.worker_failures = Counter("tokenmesh_router_worker_failures_total",
+                                       "Attempts a worker failed (the stream went on elsewhere or ended), by failure",
+                                       ["worker", "reason"], registry=r)
+        self.resumes = Counter("tokenmesh_router_resumes_total", "Resume calls by outcome", ["outcome"], registry=r)
+        self.cancels = Counter("tokenmesh_router_cancels_total", "Cancel calls by outcome", ["outcome"], registry=r)
+        self.tables = Counter("tokenmesh_router_weight_tables_total", "Weight tables received, by whether applied",
+                              ["applied"], registry=r)
+        self.propagation = Histogram("tokenmesh_router_weight_table_propagation_seconds",
+                                     "From the prober's decision to this router applying the table",
+                                     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                                              2.5, 5.0), registry=r)
+
+    def watch(self, pool: WorkerPool, admission: Admission) -> None:
+        """Report the pool's and the queue's state at every scrape."""
+        self.registry.register(_PoolCollector(pool, admission))
+
+    def refused(self, outcome: str, tenant: str) -> None:
+        """A generation refused before it had a model (bad input, unknown model, draining): model label ''."""
+        self.requests.labels("", outcome, self.tenant(tenant)).inc()
+
+    def generation(self, model: str, tenant: str) -> GenerationMetrics:
+        """The recorder of one generation."""
+        return GenerationMetrics(self, model, self.tenant(tenant))
+
+
+class GenerationMetrics:
+    """Records one generation as it goes: one call per relayed chunk, the label lookups done once."""
+
+    __slots__ = ("_itl", "_last", "_metrics", "_model", "_tenant", "finished", "first_at", "started", "tokens")
+
+    def __init__(self, metrics: RouterMetrics, model: str, tenant: str) -> None:
+        self._metrics = metrics
+        self._model = model
+        self._tenant = tenant
+        self._itl = metrics.itl.labels(model)
+        self.started = time.monotonic()
+        self.first_at = 0.0
+        self._last = 0.0
+        self.tokens = 0
+        self.finished = False
+
+    def queued(self, seconds: float, priority: int) -> None:
+        """The first admission's wait."""
+        name = inference_pb2.Priority.Name(priority).removeprefix("PRIORITY_").lower() if priority else "normal"
+        self._metrics.queue.labels(self._model, name).observe(seconds)
+
+    def chunk(self, piece: inference_pb2.GenerateChunk, worker: str) -> None:
+        """A chunk went to the caller."""
+        now = time.monotonic()
+        if piece.text:
+            if self._last:
+                self._itl.observe(now - self._last)
+            else:
+                self.first_at = now
+                self._metrics.ttft.labels(self._model, worker).observe(now - self.started)
+            self._last = now
+        self.tokens += piece.token_count
+        if piece.finish_reason:
+            self._finished(piece, now)
+
+    def _finished(self, final: inference_pb2.GenerateChunk, now: float) -> None:
+        self.finished = True
+        m, model = self._metrics, self._model
+        outcome = inference_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+        m.requests.labels(model, outcome, self._tenant).inc()
+        m.e2e.labels(model, outcome).observe(now - self.started)
+        m.prompt_tokens.labels(model).inc(final.usage.prompt_tokens)
+        m.output_tokens.labels(model).inc(final.usage.completion_tokens)
+        if self.first_at and final.usage.completion_tokens > 1:
+            m.tpot.labels(model).observe((now - self.first_at) / (final.usage.completion_tokens - 1))
+
+    def failed(self, outcome: str, delivered: bool) -> None:
+        """The generation ended with a status (outcome: its code's name), after output began or not."""
+        self.finished = True
+        m = self._metrics
+        m.requests.labels(self._model, outcome, self._tenant).inc()
+        m.e2e.labels(self._model, outcome).observe(time.monotonic() - self.started)
+        if delivered:
+            m.interruptions.labels(self._model, outcome).inc()
+
+    def worker_failed(self, worker: str, reason: str, *, migrated: bool) -> None:
+        """An attempt failed on worker; migrated: after output began (the stream moves)."""
+        self._metrics.worker_failures.labels(worker, reason).inc()
+        if migrated:
+            self._metrics.migrations.labels(self._model, reason).inc()
+
+
+class _PoolCollector(Collector):
+    """Per-worker state and the queue, read from the pool when Prometheus scrapes."""
+
+    def __init__(self, pool: WorkerPool, admission: Admission) -> None:
+        self._pool = pool
+        self._admission = admission
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self._pool
+        in_flight = GaugeMetricFamily("tokenmesh_router_in_flight", "Generations this router has open on the worker",
+                                      labels=["worker"])
+        limit = GaugeMetricFamily("tokenmesh_router_concurrency_limit",
+                                  "Most generations this router sends the worker at once", labels=["worker"])
+        weight = GaugeMetricFamily("tokenmesh_router_worker_weight", "Routing weight in force (0: never picked)",
+                                   labels=["worker"])
+        state = GaugeMetricFamily("tokenmesh_router_worker_state", "1 for the worker's state, 0 for the others",
+                                  labels=["worker", "state"])
+        states = [router_pb2.WorkerState.Name(s).removeprefix("WORKER_STATE_").lower()
+                  for s in router_pb2.WorkerState.values()]
+        for row in pool.table().workers:
+            in_flight.add_metric([row.address], row.in_flight)
+            limit.add_metric([row.address], row.concurrency_limit)
+            weight.add_metric([row.address], row.weight)
+            current = router_pb2.WorkerState.Name(row.state).removeprefix("WORKER_STATE_").lower()
+            for name in states:
+                state.add_metric([row.address, name], 1.0 if name == current else 0.0)
+        yield from (in_flight, limit, weight, state)
+        yield GaugeMetricFamily("tokenmesh_router_queued", "Generations waiting in the admission queue",
+                                value=len(self._admission.waiting))
+        yield GaugeMetricFamily("tokenmesh_router_weight_table_version", "Version of the weight table in force "
+                                "(0: none yet)", value=pool.version)

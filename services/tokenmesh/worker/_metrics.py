@@ -1,0 +1,94 @@
+"""The worker's Prometheus metrics: its generations, failures by class, its state and engine queue at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tokenmesh.metrics import ITL_BUCKETS, TTFT_BUCKETS
+from tokenmesh.v1 import inference_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from tokenmesh.worker._servicer import WorkerServicer
+
+
+class WorkerMetrics:
+    """Every metric of one worker, in its own registry."""
+
+    registry: CollectorRegistry
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.engine_ttft = Histogram("tokenmesh_worker_engine_time_to_first_token_seconds",
+                                     "From the worker handing a generation to the engine to its first token",
+                                     buckets=TTFT_BUCKETS, registry=r)
+        self.engine_itl = Histogram("tokenmesh_worker_engine_inter_token_latency_seconds",
+                                    "Engine time per token between two responses", buckets=ITL_BUCKETS, registry=r)
+        self.generations = Counter("tokenmesh_worker_generations_total",
+                                   "Generations that ended on this worker, by finish reason or failure class",
+                                   ["outcome"], registry=r)
+        self.failures = Counter("tokenmesh_worker_failures_total", "Generations the backend failed, by class",
+                                ["error_class"], registry=r)
+        self.output_tokens = Counter("tokenmesh_worker_generation_tokens_total", "Tokens the engine produced",
+                                     registry=r)
+
+    def watch(self, servicer: WorkerServicer) -> None:
+        """Report the worker's state and its engine's queue at every scrape."""
+        self.registry.register(_StateCollector(servicer))
+
+    def settled(self, last: worker_pb2.WorkerEvent | None, tokens: int) -> None:
+        """A generation ended; last: its final event (end or error)."""
+        self.output_tokens.inc(tokens)
+        if last is None:
+            outcome = "dropped"
+        elif last.WhichOneof("event") == "end":
+            outcome = inference_pb2.FinishReason.Name(last.end.finish_reason).removeprefix("FINISH_REASON_").lower()
+        elif last.WhichOneof("event") == "error":
+            outcome = error_label(last.error.error_class)
+            self.failures.labels(outcome).inc()
+        else:
+            outcome = "cancelled"
+        self.generations.labels(outcome).inc()
+
+
+def error_label(error_class: worker_pb2.ErrorClass) -> str:
+    """ERROR_CLASS_OUT_OF_MEMORY -> out_of_memory."""
+    return worker_pb2.ErrorClass.Name(error_class).removeprefix("ERROR_CLASS_").lower()
+
+
+class _StateCollector(Collector):
+    def __init__(self, servicer: WorkerServicer) -> None:
+        self._servicer = servicer
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._servicer
+        t = s.telemetry
+        yield GaugeMetricFamily("tokenmesh_worker_in_flight", "Generations running on this worker", value=s.in_flight)
+        yield GaugeMetricFamily("tokenmesh_worker_concurrency_limit", "The limit the worker reports to routers",
+                                value=s.limits.concurrency_limit(s.in_flight) if s.backend_models() else 0)
+        yield GaugeMetricFamily("tokenmesh_worker_serving", "1 while health is SERVING",
+                                value=1.0 if s.serving else 0.0)
+        yield GaugeMetricFamily("tokenmesh_worker_held_generations",
+                                "Generations held for Resume (running or finished, within the resume grace)",
+                                value=len(s.registry.records))
+        yield GaugeMetricFamily("tokenmesh_worker_out_of_memory_total", "Device out-of-memory failures seen",
+                                value=s.limits.oom_total)
+        yield GaugeMetricFamily("tokenmesh_worker_backend_restarts_total", "Times the worker restarted its Triton",
+                                value=s.backend_restarts)
+        if t.engine_pending is not None:
+            yield GaugeMetricFamily("tokenmesh_worker_triton_pending",
+                                    "Requests waiting in Triton's own scheduler queue (nv_inference_pending_request_"
+                                    "count)", value=t.engine_pending)
+        if t.engine_queue_ms is not None:
+            yield GaugeMetricFamily("tokenmesh_worker_triton_queue_seconds",
+                                    "Moving average of the time requests spent in Triton's queue",
+                                    value=t.engine_queue_ms / 1000)
+        for device in s.limits.device_readings:
+            used = GaugeMetricFamily("tokenmesh_worker_device_memory_used_bytes", "Device memory in use (NVML)",
+                                     labels=["device"])
+            used.add_metric([str(device.index)], device.memory_used_bytes)
+            yield used
