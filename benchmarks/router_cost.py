@@ -22,7 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import tempfile
+import threading
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from common import free_port, running_mesh, start_relay, synthetic_repository, tree_cpu_seconds
@@ -31,7 +36,7 @@ from tokenmesh.bench.metrics import RequestResult, summarize
 from tokenmesh.bench.prompts import synthetic
 from tokenmesh.bench.runner import Load, drive
 from tokenmesh.bench.targets import MeshTarget
-from tokenmesh.mesh import MeshConfig
+from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.process import cpu_seconds, stop_process
 
 
@@ -61,6 +66,9 @@ def main() -> None:
     parser.add_argument("--tokens-per-s", type=float, default=1000.0, help="per stream (default 1000)")
     parser.add_argument("--responses-per-s", type=float, default=200.0,
                         help="engine responses (messages) per second per stream (default 200: 5 tokens each)")
+    parser.add_argument("--metrics", action="store_true",
+                        help="also measure a second mesh whose router and workers record Prometheus metrics "
+                             "(scraped every 5 s), in the same alternation: the cost of metrics")
     args = parser.parse_args()
 
     chunk_tokens = max(1, round(args.tokens_per_s / args.responses_per_s))
@@ -68,21 +76,29 @@ def main() -> None:
     source = start_relay("source", "--port", str(source_port), "--tokens-per-s", str(args.tokens_per_s),
                          "--chunk-tokens", str(chunk_tokens))
     relay = start_relay("relay", "--port", str(relay_port), "--upstream", f"127.0.0.1:{source_port}")
-    runs: dict[str, list[tuple[list[RequestResult], float, float]]] = {"relay": [], "mesh": []}
+    names = ["relay", "mesh", *(["metrics"] if args.metrics else [])]
+    runs: dict[str, list[tuple[list[RequestResult], float, float]]] = {name: [] for name in names}
     folder = tempfile.TemporaryDirectory()
     try:
         repository = synthetic_repository(Path(folder.name), tokens_per_s=args.tokens_per_s,
                                           responses_per_s=args.responses_per_s)
         config = MeshConfig(port=0, model_repository=str(repository), router_processes=args.router_processes)
-        with running_mesh(config) as mesh:
+        with contextlib.ExitStack() as stack:
+            mesh = stack.enter_context(running_mesh(config))
             assert mesh.router is not None
-            workers = [w.proc.pid for w in mesh.workers]
-            hops = {"relay": (f"127.0.0.1:{relay_port}", relay.pid),
-                    "mesh": (mesh.router.address, mesh.router.proc.pid)}
+            hops = {"relay": (f"127.0.0.1:{relay_port}", relay.pid, []),
+                    "mesh": (mesh.router.address, mesh.router.proc.pid, [w.proc.pid for w in mesh.workers])}
+            if args.metrics:
+                metered = stack.enter_context(running_mesh(dataclasses.replace(config, metrics=True)))
+                assert metered.router is not None
+                hops["metrics"] = (metered.router.address, metered.router.proc.pid,
+                                   [w.proc.pid for w in metered.workers])
+                stack.enter_context(scraping(metered))
             for round_ in range(args.rounds):
-                for name in (("relay", "mesh") if round_ % 2 == 0 else ("mesh", "relay")):
-                    addr, pid = hops[name]
-                    runs[name].append(asyncio.run(measure(addr, pid, args, workers if name == "mesh" else [])))
+                order = names[round_ % len(names):] + names[:round_ % len(names)]
+                for name in order:
+                    addr, pid, workers = hops[name]
+                    runs[name].append(asyncio.run(measure(addr, pid, args, workers)))
                     print(f"  {name}: round {round_ + 1} done", flush=True)
     finally:
         for proc in (relay, source):
@@ -94,7 +110,7 @@ def main() -> None:
           f"{args.rounds} runs each")
     print(f"{'target':8} {'tokens/s':>10} {'hop us/token':>13} {'per run':>16} {'workers us/token':>17} "
           f"{'interrupted':>12} {'tokens/chunk':>13}")
-    rates = {}
+    rates, hop_cost = {}, {}
     for name, measured in runs.items():
         results = [r for rs, _, _ in measured for r in rs]
         seconds = sum(summarize(rs)["duration_s"] for rs, _, _ in measured)
@@ -102,13 +118,37 @@ def main() -> None:
         per_run = [c / max(1, sum(r.output_tokens for r in rs if r.ok)) * 1e6 for rs, c, _ in measured]
         cpu, worker_cpu = sum(c for _, c, _ in measured), sum(w for _, _, w in measured)
         rates[name] = tokens / seconds
+        hop_cost[name] = cpu / tokens
         chunk = summarize(results)["tokens_per_chunk"]
-        workers = f"{worker_cpu / tokens * 1e6:17.2f}" if name == "mesh" else f"{'':17}"
+        workers = f"{worker_cpu / tokens * 1e6:17.2f}" if name != "relay" else f"{'':17}"
         print(f"{name:8} {rates[name]:10.0f} {cpu / tokens * 1e6:13.2f} "
               f"{min(per_run):7.2f}..{max(per_run):<7.2f} {workers} "
               f"{sum(not r.ok for r in results):>12} {chunk['mean'] if chunk else 0:13.2f}")
     print(f"mesh / relay throughput: {rates['mesh'] / rates['relay']:.3f} (target >= 0.97); "
           "router us/token target <= 8")
+    if args.metrics:
+        print(f"metrics on / off throughput: {rates['metrics'] / rates['mesh']:.3f} (target >= 0.95); router CPU "
+              f"per token: {hop_cost['metrics'] / hop_cost['mesh'] - 1:+.1%} (target <= +10%)")
+
+
+@contextlib.contextmanager
+def scraping(mesh: Mesh, every_s: float = 5.0) -> Iterator[None]:
+    """GET every service's /metrics every every_s seconds (as Prometheus would) while the block runs."""
+    urls = list(mesh.metrics_urls.values())
+    done = threading.Event()
+
+    def scrape() -> None:
+        while not done.wait(every_s):
+            for url in urls:
+                urllib.request.urlopen(url, timeout=5).read()  # noqa: S310 - our own loopback endpoint
+
+    thread = threading.Thread(target=scrape, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 if __name__ == "__main__":

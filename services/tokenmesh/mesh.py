@@ -1,4 +1,4 @@
-"""The embedded default: N workers (each with its Triton), a prober and a router.
+"""The embedded default: N workers (each with its Triton), a prober, a router and the HTTP gateway.
 
 Every service runs as its own child process (``python -m tokenmesh <service>``)
 on loopback, exactly as Kubernetes would run it. Children learn nothing from
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,9 @@ from typing import IO
 
 from tokenmesh.config import check
 from tokenmesh.process import dies_with_parent, stop_process
+
+METERED = ("router", "worker", "prober")
+"""The services that serve metrics of their own when MeshConfig.metrics is set."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +53,10 @@ class MeshConfig:
     token -> caller p50 10.7 ms, 3.2 ms niced). The synthetic model is the opposite: its per-token work is
     Python, like the relays'; niced, it starved at 24k tokens/s (router_cost.py: mesh 14.3k tokens/s vs 22.4k).
     """
+    gateway_port: int | None = None
+    """Port of the HTTP gateway in front of the router; None = no gateway, 0 = a free port (``up``: 8000)."""
+    metrics: bool = False
+    """Router, workers and prober serve Prometheus metrics, each on a free port (``Mesh.metrics_urls``)."""
     log_dir: str = ""
     """Write each service's log to <log_dir>/<name>.log; empty = our stderr."""
     start_timeout_s: float = 240.0
@@ -60,6 +68,8 @@ class MeshConfig:
         """Validate ranges."""
         check(1 <= self.workers <= 64, f"workers must be 1..64, got {self.workers}")
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(self.gateway_port is None or 0 <= self.gateway_port <= 65535,
+              f"gateway_port must be 0..65535 (or None: no gateway), got {self.gateway_port}")
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         check(self.triton_nice is None or 0 <= self.triton_nice <= 19,
               f"triton_nice must be 0..19, got {self.triton_nice}")
@@ -108,6 +118,9 @@ class Mesh:
         self.workers: list[Child] = []
         self.router: Child | None = None
         self.prober: Child | None = None
+        self.gateway: Child | None = None
+        self.metrics_urls: dict[str, str] = {}
+        """Each service's Prometheus endpoint by name (with MeshConfig.metrics)."""
         self._logs: list[IO[bytes]] = []
 
     def cpus_of(self, index: int) -> list[int]:
@@ -137,6 +150,12 @@ class Mesh:
             self._logs.append(log_file)
             out = log_file
         cmd = [sys.executable, "-m", "tokenmesh", service, "--ready-file", str(ready), *args]
+        if self.config.metrics and service in METERED:
+            with socket.socket() as probe:  # a free port now; the service binds it at once
+                probe.bind((self.config.host, 0))
+                port = probe.getsockname()[1]
+            cmd += ["--metrics-port", str(port)]
+            self.metrics_urls[name] = f"http://{self.config.host}:{port}/metrics"
         proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
             dies_with_parent(cmd),  # no child outlives `up`, even a SIGKILLed one
             stdin=subprocess.DEVNULL,
@@ -165,7 +184,7 @@ class Mesh:
             time.sleep(0.1)
 
     def start(self) -> None:
-        """Workers first (in parallel), then the router, then the prober."""
+        """Workers first (in parallel), then the router, then the prober (and the gateway)."""
         cfg = self.config
         try:
             for i in range(cfg.workers):
@@ -184,7 +203,10 @@ class Mesh:
             self.wait_ready([self.router])
             self.prober = self.spawn("prober", "prober", "--host", cfg.host, "--port", "0",
                                      "--workers", addresses, "--routers", self.router.address)
-            self.wait_ready([self.prober])
+            if cfg.gateway_port is not None:
+                self.gateway = self.spawn("gateway", "gateway", "--host", cfg.host, "--port", str(cfg.gateway_port),
+                                          "--routers", self.router.address)
+            self.wait_ready([c for c in (self.prober, self.gateway) if c is not None])
         except BaseException:
             self.stop()
             raise
@@ -193,7 +215,7 @@ class Mesh:
         """Block while the mesh runs; return why it cannot go on.
 
         A worker that exits is reported and the mesh goes on without it (the
-        prober sets its weight to 0). The router or prober exiting ends it.
+        prober sets its weight to 0). The router, prober or gateway exiting ends it.
         """
         reported: set[str] = set()
         while True:
@@ -209,8 +231,8 @@ class Mesh:
             time.sleep(poll_s)
 
     def children(self) -> list[Child]:
-        """Every started child, router first (the order they are stopped in)."""
-        return [c for c in (self.router, self.prober, *self.workers) if c is not None]
+        """Every started child, the gateway and router first (the order they are stopped in)."""
+        return [c for c in (self.gateway, self.router, self.prober, *self.workers) if c is not None]
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM each child (router first, so it drains), SIGKILL stragglers. Idempotent."""

@@ -14,7 +14,7 @@ from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.v1 import inference_pb2
 
 from ..dns_server import free_port_on
-from .conftest import in_process_mesh, wait_until
+from .conftest import InProcessMesh, in_process_mesh, wait_until
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -87,6 +87,8 @@ def parse(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str],
 
 async def test_workers_count_outcomes_and_failures_by_class() -> None:
     async with in_process_mesh() as mesh:
+        for worker in mesh.workers:  # as --metrics-port does (both cannot listen on one port here)
+            worker.servicer.metrics.enabled = True
         mesh.backends[0].fail_after = 4
         finals = [[c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"p{i}",
                                                                                           max_tokens=8))][-1]
@@ -100,6 +102,7 @@ async def test_workers_count_outcomes_and_failures_by_class() -> None:
         second, "tokenmesh_worker_generations_total", outcome="length") == 4
     assert total(second, "tokenmesh_worker_failures_total") == 0
     started = sum(len(b.started) for b in mesh.backends)  # every generation's first token was timed
+    assert started == 4 + moved
     assert total(first, "tokenmesh_worker_engine_time_to_first_token_seconds_count") + total(
         second, "tokenmesh_worker_engine_time_to_first_token_seconds_count") == started
     assert total(first, "tokenmesh_worker_in_flight") == 0 and total(first, "tokenmesh_worker_serving") == 1
@@ -127,3 +130,13 @@ async def test_the_prober_reports_weights_and_what_each_router_acked() -> None:
     assert total(samples, "tokenmesh_prober_router_connected") == 1
     assert total(samples, "tokenmesh_prober_weight_tables_total") >= 1
     assert not undocumented(samples)
+
+
+async def test_with_metrics_off_a_generation_records_nothing(mesh: InProcessMesh) -> None:
+    [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="p", max_tokens=3))]
+    samples = parse(mesh.router.metrics.registry)
+    assert not mesh.router.metrics.enabled and mesh.router.metrics_endpoint is None
+    assert total(samples, "tokenmesh_router_requests_total") == 0
+    assert total(samples, "tokenmesh_router_in_flight") == 0  # the state gauges still answer
+    assert {dict(ls)["worker"] for (n, ls) in samples if n == "tokenmesh_router_in_flight"} == {
+        w.host.address for w in mesh.workers}

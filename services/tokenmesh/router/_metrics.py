@@ -20,13 +20,17 @@ class RouterMetrics:
 
     Args:
         tenants: the tenants that get their own ``tenant`` label value (the rest: ``other``).
+        enabled: record generations (off: nobody scrapes, so the relay does no work for them).
 
     """
 
     registry: CollectorRegistry
     tenant: TenantLabel
+    enabled: bool
+    """False: generations record nothing (--metrics-port 0); the counters stay at 0."""
 
-    def __init__(self, tenants: tuple[str, ...] = ()) -> None:
+    def __init__(self, tenants: tuple[str, ...] = (), *, enabled: bool = True) -> None:
+        self.enabled = enabled
         r = self.registry = CollectorRegistry()
         self.tenant = TenantLabel(tenants)
         self.ttft = Histogram("tokenmesh_router_time_to_first_token_seconds",
@@ -75,10 +79,13 @@ class RouterMetrics:
 
     def refused(self, outcome: str, tenant: str) -> None:
         """A generation refused before it had a model (bad input, unknown model, draining): model label ''."""
-        self.requests.labels("", outcome, self.tenant(tenant)).inc()
+        if self.enabled:
+            self.requests.labels("", outcome, self.tenant(tenant)).inc()
 
     def generation(self, model: str, tenant: str) -> GenerationMetrics:
-        """The recorder of one generation."""
+        """The recorder of one generation (one that records nothing while metrics are off)."""
+        if not self.enabled:
+            return _OFF
         return GenerationMetrics(self, model, self.tenant(tenant))
 
 
@@ -142,6 +149,30 @@ class GenerationMetrics:
         self._metrics.worker_failures.labels(worker, reason).inc()
         if migrated:
             self._metrics.migrations.labels(self._model, reason).inc()
+
+
+class _Off(GenerationMetrics):
+    """Records nothing: what every generation gets while metrics are off."""
+
+    def __init__(self) -> None:
+        self.started = self.first_at = 0.0
+        self.tokens = 0
+        self.finished = False
+
+    def queued(self, seconds: float, priority: int) -> None:
+        """Nothing."""
+
+    def chunk(self, piece: inference_pb2.GenerateChunk, worker: str) -> None:
+        """Nothing."""
+
+    def failed(self, outcome: str, delivered: bool) -> None:
+        """Nothing."""
+
+    def worker_failed(self, worker: str, reason: str, *, migrated: bool) -> None:
+        """Nothing."""
+
+
+_OFF = _Off()
 
 
 class _PoolCollector(Collector):

@@ -181,7 +181,7 @@ class Router(Service):
         self.admission = Admission(
             self.pool, max_queue=config.max_queue, queue_timeout_s=config.queue_timeout_s, aging_s=config.aging_s
         )
-        self.metrics = RouterMetrics(config.metrics_tenants)
+        self.metrics = RouterMetrics(config.metrics_tenants, enabled=bool(config.metrics_port))
         self.metrics_endpoint = None
         self.metrics.watch(self.pool, self.admission)
         self.inference = InferenceServicer(config, self.pool, self._stubs, self.admission, self.metrics)

@@ -20,8 +20,11 @@ class WorkerMetrics:
     """Every metric of one worker, in its own registry."""
 
     registry: CollectorRegistry
+    enabled: bool
+    """False (--metrics-port 0): generations record nothing; the scrape-time gauges cost nothing anyway."""
 
     def __init__(self) -> None:
+        self.enabled = True
         r = self.registry = CollectorRegistry()
         self.engine_ttft = Histogram("tokenmesh_worker_engine_time_to_first_token_seconds",
                                      "From the worker handing a generation to the engine to its first token",
@@ -40,8 +43,19 @@ class WorkerMetrics:
         """Report the worker's state and its engine's queue at every scrape."""
         self.registry.register(_StateCollector(servicer))
 
+    def timing(self, ttft_s: float | None, gap_s: float | None) -> None:
+        """The engine's first token, or its time per token between two responses."""
+        if not self.enabled:
+            return
+        if ttft_s is not None:
+            self.engine_ttft.observe(ttft_s)
+        elif gap_s is not None:
+            self.engine_itl.observe(gap_s)
+
     def settled(self, last: worker_pb2.WorkerEvent | None, tokens: int) -> None:
         """A generation ended; last: its final event (end or error)."""
+        if not self.enabled:
+            return
         self.output_tokens.inc(tokens)
         if last is None:
             outcome = "dropped"

@@ -59,6 +59,7 @@ class Worker(Service):
             replay_buffer_bytes=config.replay_buffer_bytes,
             memory_threshold=config.memory_threshold,
         )
+        self.servicer.metrics.enabled = bool(config.metrics_port)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, host.server)
 
     def _triton_backend(self) -> Backend:

@@ -96,9 +96,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.telemetry.timing(ttft_s, gap_s)
         if ttft_s is not None:
             self.limits.adaptive().sample(ttft_s * 1000, queued=record.queued)
-            self.metrics.engine_ttft.observe(ttft_s)
-        elif gap_s is not None:
-            self.metrics.engine_itl.observe(gap_s)
+        self.metrics.timing(ttft_s, gap_s)
 
     def engine_polled(self, pending: int | None) -> None:
         """The engine's queue was read: the concurrency limit follows it."""
