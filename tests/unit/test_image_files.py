@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-@pytest.mark.parametrize(("tool", "target"), [("hadolint", "Dockerfile"), ("shellcheck", "scripts/build_image.sh")])
+@pytest.mark.parametrize(("tool", "target"), [("hadolint", "Dockerfile"), ("shellcheck", "scripts/build_image.sh"),
+                                             ("shellcheck", "scripts/install_debian_packages.sh")])
 def test_linter_passes(tool: str, target: str) -> None:
     binary = BIN / tool
     if not binary.exists():

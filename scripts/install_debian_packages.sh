@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install the Debian packages the tests need (as their commands are missing):
+# prometheus and promtool for the metrics tests. Run by `make venv`; as root,
+# or through sudo when it is there.
+set -euo pipefail
+
+missing=()
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+if [ "${#missing[@]}" -eq 0 ]; then
+    exit 0
+fi
+if [ "$(id -u)" -eq 0 ]; then
+    run=()
+elif command -v sudo >/dev/null 2>&1; then
+    run=(sudo)
+else
+    echo "install_debian_packages: need root (or sudo) to install ${missing[*]} from Debian" >&2
+    exit 1
+fi
+# The service's own postinst may try to start it; nothing here needs it running (tests start their own).
+"${run[@]}" apt-get update -q
+DEBIAN_FRONTEND=noninteractive "${run[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
