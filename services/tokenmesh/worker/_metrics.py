@@ -101,8 +101,11 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily("tokenmesh_worker_triton_queue_seconds",
                                     "Moving average of the time requests spent in Triton's queue",
                                     value=t.engine_queue_ms / 1000)
+        used = GaugeMetricFamily("tokenmesh_worker_device_memory_used_bytes", "Device memory in use (NVML)",
+                                 labels=["device"])
+        size = GaugeMetricFamily("tokenmesh_worker_device_memory_total_bytes", "Device memory in all (NVML)",
+                                 labels=["device"])
         for device in s.limits.device_readings:
-            used = GaugeMetricFamily("tokenmesh_worker_device_memory_used_bytes", "Device memory in use (NVML)",
-                                     labels=["device"])
             used.add_metric([str(device.index)], device.memory_used_bytes)
-            yield used
+            size.add_metric([str(device.index)], device.memory_total_bytes)
+        yield from (used, size)
