@@ -12,7 +12,8 @@ token too. Offered load = concurrency x --tokens-per-s. Targets: router <= 8
 us/token at 24k tokens/s offered; mesh throughput >= 0.97x the relay's.
 
 --tokens-per-s 100 --responses-per-s 100 measures the low-rate case (one
-token per message, each message waking an idle process).
+token per message, each message waking an idle process). --telemetry adds a
+third target: the same mesh with metrics and traces on.
 
     .venv/bin/python benchmarks/router_cost.py --concurrency 24
     .venv/bin/python benchmarks/router_cost.py --concurrency 1 --tokens-per-s 100 --responses-per-s 100 --tokens 300
@@ -66,9 +67,10 @@ def main() -> None:
     parser.add_argument("--tokens-per-s", type=float, default=1000.0, help="per stream (default 1000)")
     parser.add_argument("--responses-per-s", type=float, default=200.0,
                         help="engine responses (messages) per second per stream (default 200: 5 tokens each)")
-    parser.add_argument("--metrics", action="store_true",
-                        help="also measure a second mesh whose router and workers record Prometheus metrics "
-                             "(scraped every 5 s), in the same alternation: the cost of metrics")
+    parser.add_argument("--telemetry", action="store_true",
+                        help="also measure a second mesh with Prometheus metrics on (scraped every 5 s) and "
+                             "OpenTelemetry traces exported to an OTLP receiver in this process, in the same "
+                             "alternation: the cost of telemetry")
     args = parser.parse_args()
 
     chunk_tokens = max(1, round(args.tokens_per_s / args.responses_per_s))
@@ -76,7 +78,7 @@ def main() -> None:
     source = start_relay("source", "--port", str(source_port), "--tokens-per-s", str(args.tokens_per_s),
                          "--chunk-tokens", str(chunk_tokens))
     relay = start_relay("relay", "--port", str(relay_port), "--upstream", f"127.0.0.1:{source_port}")
-    names = ["relay", "mesh", *(["metrics"] if args.metrics else [])]
+    names = ["relay", "mesh", *(["telemetry"] if args.telemetry else [])]
     runs: dict[str, list[tuple[list[RequestResult], float, float]]] = {name: [] for name in names}
     folder = tempfile.TemporaryDirectory()
     try:
@@ -88,11 +90,13 @@ def main() -> None:
             assert mesh.router is not None
             hops = {"relay": (f"127.0.0.1:{relay_port}", relay.pid, []),
                     "mesh": (mesh.router.address, mesh.router.proc.pid, [w.proc.pid for w in mesh.workers])}
-            if args.metrics:
-                metered = stack.enter_context(running_mesh(dataclasses.replace(config, metrics=True)))
+            if args.telemetry:
+                endpoint = stack.enter_context(otlp_receiver())
+                env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+                metered = stack.enter_context(running_mesh(dataclasses.replace(config, metrics=True, extra_env=env)))
                 assert metered.router is not None
-                hops["metrics"] = (metered.router.address, metered.router.proc.pid,
-                                   [w.proc.pid for w in metered.workers])
+                hops["telemetry"] = (metered.router.address, metered.router.proc.pid,
+                                     [w.proc.pid for w in metered.workers])
                 stack.enter_context(scraping(metered))
             for round_ in range(args.rounds):
                 order = names[round_ % len(names):] + names[:round_ % len(names)]
@@ -126,9 +130,37 @@ def main() -> None:
               f"{sum(not r.ok for r in results):>12} {chunk['mean'] if chunk else 0:13.2f}")
     print(f"mesh / relay throughput: {rates['mesh'] / rates['relay']:.3f} (target >= 0.97); "
           "router us/token target <= 8")
-    if args.metrics:
-        print(f"metrics on / off throughput: {rates['metrics'] / rates['mesh']:.3f} (target >= 0.95); router CPU "
-              f"per token: {hop_cost['metrics'] / hop_cost['mesh'] - 1:+.1%} (target <= +10%)")
+    if args.telemetry:
+        print(f"telemetry on / off throughput: {rates['telemetry'] / rates['mesh']:.3f} (target >= 0.95); router "
+              f"CPU per token: {hop_cost['telemetry'] / hop_cost['mesh'] - 1:+.1%} (target <= +10%); "
+              f"{RECEIVED[0]} spans received")
+
+
+RECEIVED = [0]
+"""Spans the in-process OTLP receiver got."""
+
+
+@contextlib.contextmanager
+def otlp_receiver() -> Iterator[str]:
+    """An OTLP/gRPC trace receiver on a thread of its own (counts the spans); yields its endpoint."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    class Count(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 - gRPC method name
+            RECEIVED[0] += sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Count(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop(0)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import StatusCode
 
 from tokenmesh.errors import (
     CALLER_ERROR_CLASSES,
@@ -37,6 +39,7 @@ from tokenmesh.router._pool import WorkerEntry, WorkerPool, prefix_key
 from tokenmesh.router._relay import CALLER_CODES, Live, Progress, Relay, WorkerFailed, chunk, continuation
 from tokenmesh.router._spares import Spares
 from tokenmesh.router._validation import validate
+from tokenmesh.tracing import from_metadata, inject, operation
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tokenmesh.validation import require_request_id
 
@@ -46,6 +49,17 @@ CANCEL_TIMEOUT_S = 5.0
 """Longest a Cancel that goes to the workers waits for their answers (less when the caller's deadline is nearer)."""
 TEARDOWN_WAIT_S = 2.0
 """How long Resume waits for this router's old stream of the same request_id to be torn down."""
+
+
+def _trace_chunk(span: trace.Span, piece: inference_pb2.GenerateChunk) -> None:
+    """The first chunk as an event, the end's usage and finish reason as attributes."""
+    if piece.seq == 1:
+        span.add_event("gen_ai.first_token")
+    if piece.finish_reason:
+        reason = inference_pb2.FinishReason.Name(piece.finish_reason).removeprefix("FINISH_REASON_").lower()
+        span.set_attribute("gen_ai.response.finish_reasons", [reason])
+        span.set_attribute("gen_ai.usage.input_tokens", piece.usage.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", piece.usage.completion_tokens)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -73,6 +87,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     _stubs: dict[str, worker_pb2_grpc.WorkerStub]
     _relay: Relay
     metrics: RouterMetrics
+    tracer: trace.Tracer | None
+    """Spans per generation (None: tracing off)."""
 
     def __init__(
         self,
@@ -83,6 +99,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         metrics: RouterMetrics,
     ) -> None:
         self.metrics = metrics
+        self.tracer = None
         self._config = config
         self._pool = pool
         self._admission = admission
@@ -120,6 +137,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         tenant = request.labels.get("tenant", "")
         key = prefix_key(request)
         track = self.metrics.generation(model.name, tenant)
+        span = None if self.tracer is None else self._span(base, context, bool(key))
         try:
             while True:
                 forward = continuation(base, progress)
@@ -150,14 +168,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 attempts += 1
                 try:
                     relay = self._relay.run(entry, forward, live, context, progress,
-                                            resumable=bool(request.request_id))
+                                            resumable=bool(request.request_id),
+                                            trace_context=None if span is None else inject(span))
+                    if span is not None:
+                        span.set_attribute("tokenmesh.worker", entry.address)
                     async with contextlib.aclosing(relay):
                         async for piece in relay:
                             track.chunk(piece, entry.address)
+                            if span is not None:
+                                _trace_chunk(span, piece)
                             yield piece
                     return
                 except WorkerFailed as failure:
                     self._pool.suspend(entry, self._config.stall_timeout_s, str(failure))
+                    if span is not None:
+                        span.add_event("tokenmesh.worker_failed", {"tokenmesh.worker": entry.address,
+                                                                   "tokenmesh.failure": failure.kind,
+                                                                   "tokenmesh.after_seq": progress.seq})
                     track.worker_failed(entry.address, failure.kind, migrated=0 < progress.seq
                                         and attempts <= self._config.max_migrations)
                     if attempts > self._config.max_migrations:
@@ -177,13 +204,36 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     self._admission.release(entry, tenant)
         except MeshError as error:
             track.failed(error.grpc_code.name.lower(), progress.seq > 0)
+            if span is not None:
+                span.set_attribute("error.type", error.grpc_code.name)
+                span.set_status(StatusCode.ERROR, error.message)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             if not track.finished:
                 track.failed("caller_gone", progress.seq > 0)
+                if span is not None:  # recorded as what it was, not as OK
+                    span.set_attribute("tokenmesh.outcome", "caller_gone")
+                    span.set_status(StatusCode.ERROR, "the caller went away before the end")
             raise
         finally:
             self._end(request_id)
+            if span is not None:
+                span.set_attribute("tokenmesh.queue_ms", progress.timing.queue_ms)
+                span.set_attribute("tokenmesh.migrations", progress.migrations)
+                span.end()
+
+    def _span(self, base: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any],
+              prefixed: bool) -> trace.Span:
+        """The generation's span, child of the caller's trace context (GenAI semantic conventions)."""
+        assert self.tracer is not None
+        name = operation(bool(base.messages))
+        return self.tracer.start_span(
+            f"{name} {base.model}", context=from_metadata(context.invocation_metadata()), kind=trace.SpanKind.SERVER,
+            attributes={
+                "gen_ai.operation.name": name, "gen_ai.system": "tokenmesh", "gen_ai.request.model": base.model,
+                "gen_ai.request.max_tokens": base.max_tokens, "gen_ai.response.id": base.request_id,
+                "tokenmesh.policy": self._config.policy, "tokenmesh.prefix_affinity": prefixed,
+            })
 
     def _refuse_if_draining(self) -> None:
         if self.draining:

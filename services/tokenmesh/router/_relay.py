@@ -233,6 +233,7 @@ class Relay:
         progress: Progress,
         *,
         resumable: bool,
+        trace_context: dict[str, str] | None = None,
     ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
         """Run forward on entry's worker, its chunks numbered after progress.seq.
 
@@ -254,6 +255,8 @@ class Relay:
         remaining = context.time_remaining()
         if remaining is not None:
             start.timeout_s = remaining
+        if trace_context:
+            start.trace_context.update(trace_context)
         try:
             await write(call, start)  # a spare the worker ended meanwhile: its status, failed over
             self._spares.open(entry.address)  # for the next generation, while this one waits for its first token

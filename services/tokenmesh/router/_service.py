@@ -31,6 +31,7 @@ from tokenmesh.router._peers import FORWARDED, Peers
 from tokenmesh.router._pool import WorkerPool
 from tokenmesh.router._tables import check_table
 from tokenmesh.server import WORKER_CHANNEL_OPTIONS, ServiceHost, write_ready_file
+from tokenmesh.tracing import Tracing
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ class Router(Service):
     """The worker names' lookups (--discovery dns)."""
     metrics: RouterMetrics
     metrics_endpoint: MetricsEndpoint | None
+    tracing: Tracing
 
     def __init__(self, config: RouterConfig) -> None:
         names = [
@@ -185,6 +187,8 @@ class Router(Service):
         self.metrics_endpoint = None
         self.metrics.watch(self.pool, self.admission)
         self.inference = InferenceServicer(config, self.pool, self._stubs, self.admission, self.metrics)
+        self.tracing = Tracing("router")
+        self.inference.tracer = self.tracing.tracer
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool, self.admission), host.server)
         allowed = frozenset(config.workers) if config.discovery == "static" else None
@@ -322,6 +326,7 @@ class Router(Service):
     async def _close(self) -> None:
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
+        await asyncio.to_thread(self.tracing.shutdown)  # exports what is pending (blocking I/O)
         self.inference.spares.close()
         self.inference.cancels.close()
         for channel in self._channels.values():

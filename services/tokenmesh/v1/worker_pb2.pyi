@@ -28,20 +28,29 @@ ERROR_CLASS_MODEL_NOT_FOUND: ErrorClass
 ERROR_CLASS_DEVICE_LOST: ErrorClass
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("start", "cancel", "first_seq", "tokens_before", "resumable", "timeout_s")
+    __slots__ = ("start", "cancel", "first_seq", "tokens_before", "resumable", "timeout_s", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
     TOKENS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     start: _inference_pb2.GenerateRequest
     cancel: CancelGeneration
     first_seq: int
     tokens_before: int
     resumable: bool
     timeout_s: float
-    def __init__(self, start: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ..., first_seq: _Optional[int] = ..., tokens_before: _Optional[int] = ..., resumable: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, start: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ..., first_seq: _Optional[int] = ..., tokens_before: _Optional[int] = ..., resumable: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CancelGeneration(_message.Message):
     __slots__ = ("reason",)

@@ -13,6 +13,7 @@ from tokenmesh.lifecycle import Service
 from tokenmesh.metrics import MetricsEndpoint
 from tokenmesh.retry import Backoff, Reconnect
 from tokenmesh.server import ServiceHost, write_ready_file
+from tokenmesh.tracing import Tracing
 from tokenmesh.v1 import worker_pb2, worker_pb2_grpc
 from tokenmesh.worker._backend import Backend, GenerationParams
 from tokenmesh.worker._config import WorkerConfig, format_cpus, parse_cpus
@@ -41,6 +42,7 @@ class Worker(Service):
     backend: Backend
     servicer: WorkerServicer
     metrics_endpoint: MetricsEndpoint | None
+    tracing: Tracing
     _tmp: tempfile.TemporaryDirectory[str] | None
 
     def __init__(self, config: WorkerConfig, backend: Backend | None = None) -> None:
@@ -60,6 +62,8 @@ class Worker(Service):
             memory_threshold=config.memory_threshold,
         )
         self.servicer.metrics.enabled = bool(config.metrics_port)
+        self.tracing = Tracing("worker")
+        self.servicer.tracer = self.tracing.tracer
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, host.server)
 
     def _triton_backend(self) -> Backend:
@@ -179,6 +183,7 @@ class Worker(Service):
     async def _close(self) -> None:
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
+        await asyncio.to_thread(self.tracing.shutdown)  # exports what is pending (blocking I/O)
         await self.servicer.registry.close()
         await self.backend.stop()
         if self._tmp is not None:

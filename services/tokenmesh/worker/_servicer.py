@@ -8,8 +8,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import StatusCode
 
 from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from tokenmesh.tracing import from_mapping
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.validation import check_max_tokens, check_request, require_request_id
 from tokenmesh.worker._backend import Backend, BackendError, GenerationParams, ModelSpec
@@ -18,6 +21,22 @@ from tokenmesh.worker._limits import Limits
 from tokenmesh.worker._metrics import WorkerMetrics
 from tokenmesh.worker._registry import Record, Registry
 from tokenmesh.worker._telemetry import Telemetry
+
+
+def _trace_event(span: trace.Span, event: worker_pb2.WorkerEvent) -> None:
+    """The engine's first token as an event; the end's finish reason and usage, or the failure, on the span."""
+    kind = event.WhichOneof("event")
+    if kind == "chunk":
+        if event.chunk.HasField("engine_ttft_ms"):
+            span.add_event("gen_ai.first_token", {"tokenmesh.engine_ttft_ms": event.chunk.engine_ttft_ms})
+    elif kind == "end":
+        reason = inference_pb2.FinishReason.Name(event.end.finish_reason).removeprefix("FINISH_REASON_").lower()
+        span.set_attribute("gen_ai.response.finish_reasons", [reason])
+        span.set_attribute("gen_ai.usage.input_tokens", event.end.usage.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", event.end.usage.completion_tokens)
+    elif kind == "error":
+        span.set_attribute("error.type", worker_pb2.ErrorClass.Name(event.error.error_class))
+        span.set_status(StatusCode.ERROR, event.error.message)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -66,6 +85,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._backend = backend
         self._devices = devices
         self._cuda_visible_devices = cuda_visible_devices
+        self.tracer: trace.Tracer | None = None
+        """Spans per generation (None: tracing off)."""
         self.metrics = WorkerMetrics()
         self.metrics.watch(self)
         self.registry = Registry(resume_grace_s, replay_buffer_bytes, self._settled, self._failed, self._timing)
@@ -189,10 +210,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     return
 
         watcher = asyncio.create_task(watch_commands())
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_span(
+                f"generate {spec.name}", context=from_mapping(first.trace_context), kind=trace.SpanKind.SERVER,
+                attributes={"gen_ai.request.model": spec.name, "gen_ai.response.id": req.request_id,
+                            "tokenmesh.first_seq": record.first_seq, "tokenmesh.tokens_before": first.tokens_before,
+                            "tokenmesh.triton_url": self._backend.endpoint})
         try:
             async for event in record.stream(record.first_seq - 1):
+                if span is not None:
+                    _trace_event(span, event)
                 yield event
         finally:
+            if span is not None:
+                span.end()
             watcher.cancel()
             if not first.resumable and self.registry.records.get(req.request_id) is record:
                 if record.done:

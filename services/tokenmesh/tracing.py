@@ -1,0 +1,104 @@
+"""OpenTelemetry traces, configured by the standard ``OTEL_*`` environment variables; off without an endpoint.
+
+One trace per generation: the caller's W3C ``traceparent`` (gRPC metadata, or
+the gateway's HTTP header) is the parent of the router's span, whose context
+travels to the worker inside the start command, so the worker's span is its
+child. Span names and attributes follow the GenAI semantic conventions
+(``{operation} {model}``, ``gen_ai.request.model``, ``gen_ai.usage.*``...),
+plus tokenmesh's own (``tokenmesh.worker``, ``tokenmesh.queue_ms``...). No
+prompt or output text goes into a span.
+
+Tracing is on when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set and ``OTEL_TRACES_EXPORTER`` is
+not ``none``; spans go out over OTLP/gRPC in batches (``OTEL_BSP_*``), from a
+provider of the service's own (``OTEL_SERVICE_NAME``, default
+``tokenmesh-<service>``), so the hot path does no tracing work when it is off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger(__name__)
+
+PROPAGATOR = TraceContextTextMapPropagator()
+"""W3C trace context: ``traceparent`` and ``tracestate``. A malformed one is ignored (a new trace starts)."""
+
+
+def enabled_by_environment() -> bool:
+    """Whether the OTEL_* variables ask for traces to be exported."""
+    if os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "none":
+        return False
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+
+
+class Tracing:
+    """A service's tracer (None while tracing is off) and its provider, flushed and shut down with the service.
+
+    Args:
+        service: the service's name (``router``, ``worker``, ``prober``, ``gateway``).
+        enabled: force on or off (None: from the environment).
+
+    """
+
+    tracer: trace.Tracer | None
+    _provider: Any
+
+    def __init__(self, service: str, enabled: bool | None = None) -> None:
+        self.tracer = None
+        self._provider = None
+        if not (enabled_by_environment() if enabled is None else enabled):
+            return
+        # Imported only when on: the SDK and the exporter cost start-up time and memory otherwise.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        name = os.environ.get("OTEL_SERVICE_NAME") or f"tokenmesh-{service}"
+        self._provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
+        self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        self.tracer = self._provider.get_tracer("tokenmesh")
+        log.info("%s exports traces over OTLP as %s", service, name)
+
+    def shutdown(self) -> None:
+        """Export what is pending, then stop (idempotent)."""
+        if self._provider is not None:
+            self._provider.shutdown()
+            self._provider = None
+            self.tracer = None
+
+    def flush(self) -> None:
+        """Export every finished span now."""
+        if self._provider is not None:
+            self._provider.force_flush()
+
+
+def from_metadata(metadata: Iterable[tuple[str, Any]] | None) -> Context:
+    """The caller's trace context from gRPC metadata (an empty one when it sent none or a malformed one)."""
+    carrier = {k: v for k, v in (metadata or ()) if k in ("traceparent", "tracestate") and isinstance(v, str)}
+    return PROPAGATOR.extract(carrier)
+
+
+def from_mapping(carrier: Mapping[str, str]) -> Context:
+    """A trace context from a mapping of header names (lower-case) to values."""
+    return PROPAGATOR.extract(dict(carrier))
+
+
+def inject(span: trace.Span) -> dict[str, str]:
+    """The W3C headers that make span the parent of the receiver's spans."""
+    carrier: dict[str, str] = {}
+    PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
+
+
+def operation(chat: bool) -> str:
+    """The GenAI operation name of a generation."""
+    return "chat" if chat else "text_completion"

@@ -1,0 +1,82 @@
+"""OpenTelemetry traces: one trace per generation from the caller's traceparent through router and worker."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from tokenmesh.v1 import inference_pb2
+
+from ..otlp_receiver import Receiver, attributes
+from .conftest import in_process_mesh
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+SECRET = "SECRET-PROMPT-7f3a"
+
+
+@pytest.fixture
+async def receiver(monkeypatch: pytest.MonkeyPatch) -> Receiver:
+    got = Receiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", await got.start())
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    yield got
+    await got.stop()
+
+
+async def test_one_trace_from_the_callers_traceparent_through_router_and_worker(receiver: Receiver) -> None:
+    async with in_process_mesh() as mesh:
+        mesh.backends[0].fail_after = 3  # a generation that starts there moves to the other worker
+        metadata = (("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"),)
+        finals = []
+        for i in range(2):
+            request = inference_pb2.GenerateRequest(prompt=f"{SECRET} {i}", max_tokens=6)
+            finals.append([c async for c in mesh.inference.Generate(request, metadata=metadata)][-1])
+        bad = (("traceparent", "00-not-a-trace-context"),)  # ignored: a new trace, never an error
+        [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="x", max_tokens=2),
+                                                  metadata=bad)]
+    spans = receiver.spans()
+    routers = [s for service, s in spans if service == "tokenmesh-router"]
+    workers = [s for service, s in spans if service == "tokenmesh-worker"]
+    ours = [s for s in routers if s.trace_id.hex() == TRACE_ID]
+    assert len(ours) == 2 and len(routers) == 3
+    for span in ours:
+        assert span.parent_span_id.hex() == PARENT_ID and span.kind == trace_pb2.Span.SPAN_KIND_SERVER
+        a = attributes(span)
+        assert span.name == "text_completion fake"
+        assert a["gen_ai.request.model"] == "fake" and a["gen_ai.request.max_tokens"] == 6
+        assert a["gen_ai.usage.output_tokens"] == 6 and a["gen_ai.response.finish_reasons"] == ["length"]
+        assert a["gen_ai.response.id"] in {f.request_id for f in finals}
+        assert "gen_ai.first_token" in [e.name for e in span.events]
+        children = [w for w in workers if w.parent_span_id == span.span_id]
+        assert children and all(w.trace_id == span.trace_id for w in children)
+        assert all(w.name == "generate fake" for w in children)
+    moved = [s for s in ours if any(e.name == "tokenmesh.worker_failed" for e in s.events)]
+    assert len(moved) == sum(1 for f in finals if f.migrations)
+    for span in moved:  # the failed attempt's worker span says why, the other one ends normally
+        event = next(e for e in span.events if e.name == "tokenmesh.worker_failed")
+        assert {a.key: a.value.string_value for a in event.attributes}["tokenmesh.failure"] == "backend"
+        statuses = sorted(w.status.code for w in workers if w.parent_span_id == span.span_id)
+        assert statuses == [trace_pb2.Status.STATUS_CODE_UNSET, trace_pb2.Status.STATUS_CODE_ERROR]
+    other = next(s for s in routers if s.trace_id.hex() != TRACE_ID)
+    assert not other.parent_span_id  # the malformed traceparent started a trace of its own
+    assert SECRET.encode() not in receiver.raw()  # no prompt text in any span
+
+
+async def test_a_refused_and_an_abandoned_generation_are_recorded_as_what_they_were(receiver: Receiver) -> None:
+    async with in_process_mesh(backend_settings={"delay": 0.05}) as mesh:
+        with pytest.raises(grpc.aio.AioRpcError):
+            [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="x", max_tokens=100_000))]
+        call = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="x", max_tokens=500))
+        async for chunk in call:
+            if chunk.seq == 2:
+                break
+        call.cancel()
+        await mesh.router.inference.idle.wait()
+    routers = [s for service, s in receiver.spans() if service == "tokenmesh-router"]
+    assert len(routers) == 1  # the refused one never became a generation: no span, a status to the caller
+    span = routers[0]
+    assert span.status.code == trace_pb2.Status.STATUS_CODE_ERROR
+    assert attributes(span)["tokenmesh.outcome"] == "caller_gone"
