@@ -80,3 +80,18 @@ async def test_a_refused_and_an_abandoned_generation_are_recorded_as_what_they_w
     span = routers[0]
     assert span.status.code == trace_pb2.Status.STATUS_CODE_ERROR
     assert attributes(span)["tokenmesh.outcome"] == "caller_gone"
+
+
+async def test_content_goes_into_spans_only_when_captured_and_then_redacted(
+    receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "true")
+    async with in_process_mesh() as mesh:
+        request = inference_pb2.GenerateRequest(prompt="mail alice@example.com about 4111 1111 1111 1111",
+                                                max_tokens=4)
+        [c async for c in mesh.inference.Generate(request)]
+    span = next(s for service, s in receiver.spans() if service == "tokenmesh-router")
+    events = {e.name: {a.key: a.value.string_value for a in e.attributes} for e in span.events}
+    assert events["gen_ai.user.message"]["gen_ai.prompt"] == "mail <EMAIL> about <CARD>"
+    assert events["gen_ai.choice"]["gen_ai.completion"] == "tok0 tok1 tok2 tok3 "
+    assert b"alice@example.com" not in receiver.raw() and b"4111 1111" not in receiver.raw()

@@ -30,6 +30,7 @@ from tokenmesh.errors import (
     from_generation_error,
     from_rpc_error,
 )
+from tokenmesh.redaction import StreamRedactor, capture_enabled, redact
 from tokenmesh.retry import write
 from tokenmesh.router._admission import FAILOVER, Admission, level
 from tokenmesh.router._cancels import WorkerCancels
@@ -51,10 +52,20 @@ TEARDOWN_WAIT_S = 2.0
 """How long Resume waits for this router's old stream of the same request_id to be torn down."""
 
 
-def _trace_chunk(span: trace.Span, piece: inference_pb2.GenerateChunk) -> None:
-    """The first chunk as an event, the end's usage and finish reason as attributes."""
+def _trace_chunk(span: trace.Span, piece: inference_pb2.GenerateChunk, output: list[str] | None,
+                 redactor: StreamRedactor | None) -> None:
+    """Record a chunk on the generation's span.
+
+    The first chunk as an event, the end's usage and finish reason as
+    attributes; with content capture, the output (redacted as it streams) as
+    an event at the end.
+    """
     if piece.seq == 1:
         span.add_event("gen_ai.first_token")
+    if redactor is not None and output is not None:
+        output.append(redactor.feed(piece.text))
+        if piece.finish_reason:
+            span.add_event("gen_ai.choice", {"gen_ai.completion": "".join(output) + redactor.flush()})
     if piece.finish_reason:
         reason = inference_pb2.FinishReason.Name(piece.finish_reason).removeprefix("FINISH_REASON_").lower()
         span.set_attribute("gen_ai.response.finish_reasons", [reason])
@@ -89,6 +100,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     metrics: RouterMetrics
     tracer: trace.Tracer | None
     """Spans per generation (None: tracing off)."""
+    capture_content: bool
+    """Prompts and outputs go into spans, redacted (OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT)."""
 
     def __init__(
         self,
@@ -100,6 +113,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> None:
         self.metrics = metrics
         self.tracer = None
+        self.capture_content = capture_enabled()
         self._config = config
         self._pool = pool
         self._admission = admission
@@ -138,6 +152,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         key = prefix_key(request)
         track = self.metrics.generation(model.name, tenant)
         span = None if self.tracer is None else self._span(base, context, bool(key))
+        redactor: StreamRedactor | None = None
+        output: list[str] | None = None
+        if span is not None and self.capture_content:
+            redactor, output = StreamRedactor(), []
         try:
             while True:
                 forward = continuation(base, progress)
@@ -176,7 +194,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         async for piece in relay:
                             track.chunk(piece, entry.address)
                             if span is not None:
-                                _trace_chunk(span, piece)
+                                _trace_chunk(span, piece, output, redactor)
                             yield piece
                     return
                 except WorkerFailed as failure:
@@ -227,13 +245,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """The generation's span, child of the caller's trace context (GenAI semantic conventions)."""
         assert self.tracer is not None
         name = operation(bool(base.messages))
-        return self.tracer.start_span(
+        span = self.tracer.start_span(
             f"{name} {base.model}", context=from_metadata(context.invocation_metadata()), kind=trace.SpanKind.SERVER,
             attributes={
                 "gen_ai.operation.name": name, "gen_ai.system": "tokenmesh", "gen_ai.request.model": base.model,
                 "gen_ai.request.max_tokens": base.max_tokens, "gen_ai.response.id": base.request_id,
                 "tokenmesh.policy": self._config.policy, "tokenmesh.prefix_affinity": prefixed,
             })
+        if self.capture_content:  # opted in: the prompt, redacted
+            prompt = base.prompt or "\n".join(f"{m.role}: {m.content}" for m in base.messages)
+            span.add_event("gen_ai.user.message", {"gen_ai.prompt": redact(prompt)})
+        return span
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
