@@ -19,6 +19,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
+from tokenmesh import logs
 from tokenmesh.errors import (
     CALLER_ERROR_CLASSES,
     AlreadyExists,
@@ -156,6 +157,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         output: list[str] | None = None
         if span is not None and self.capture_content:
             redactor, output = StreamRedactor(), []
+        logs.about(request_id, span)
         try:
             while True:
                 forward = continuation(base, progress)

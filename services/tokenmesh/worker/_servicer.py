@@ -11,6 +11,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
+from tokenmesh import logs
 from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from tokenmesh.tracing import from_mapping
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
@@ -196,6 +197,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             timeout_s=first.timeout_s if first.HasField("timeout_s") else context.time_remaining(),
             labels=dict(req.labels),
         )
+        logs.about(req.request_id)  # before the pump task starts: it copies this context
         queued = self.in_flight >= self.limits.slots()
         self.in_flight += 1
         self.idle.clear()
@@ -217,6 +219,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 attributes={"gen_ai.request.model": spec.name, "gen_ai.response.id": req.request_id,
                             "tokenmesh.first_seq": record.first_seq, "tokenmesh.tokens_before": first.tokens_before,
                             "tokenmesh.triton_url": self._backend.endpoint})
+            logs.about(req.request_id, span)
         try:
             async for event in record.stream(record.first_seq - 1):
                 if span is not None:
