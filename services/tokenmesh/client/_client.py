@@ -167,11 +167,13 @@ class Client:
     # -- calls --------------------------------------------------------------
 
     async def generate(
-        self, request: inference_pb2.GenerateRequest, *, timeout: float | None = None
+        self, request: inference_pb2.GenerateRequest, *, timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
         """Stream a generation's chunks, seq 1, 2, 3... each exactly once, across router failures.
 
         ``timeout`` bounds the whole generation (retries and resumes included); ``DeadlineExceeded`` after.
+        ``metadata`` goes with every call (e.g. the caller's W3C ``traceparent``).
         Raises the mesh's error for a status that is not transient (``InvalidArgument``, ``NotFound``...),
         or the last transient one once ``retry_deadline_s`` passed without progress.
         """
@@ -180,7 +182,7 @@ class Client:
             request = _with_id(request)
         finished = False
         try:
-            async for chunk in self._follow(request, None, timeout):
+            async for chunk in self._follow(request, None, timeout, metadata):
                 finished = bool(chunk.finish_reason)
                 yield chunk
         finally:
@@ -188,11 +190,12 @@ class Client:
                 self._cancel_later(request.request_id)
 
     async def resume(
-        self, request_id: str, after_seq: int = 0, *, timeout: float | None = None
+        self, request_id: str, after_seq: int = 0, *, timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
         """Chunks of a generation after after_seq (replayed, then live), across router failures."""
         async for chunk in self._follow(None, inference_pb2.ResumeRequest(request_id=request_id, after_seq=after_seq),
-                                        timeout):
+                                        timeout, metadata):
             yield chunk
 
     async def _follow(
@@ -200,6 +203,7 @@ class Client:
         request: inference_pb2.GenerateRequest | None,
         resume: inference_pb2.ResumeRequest | None,
         timeout: float | None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
         """The chunks of request (Generate) or of resume (Resume), continued on other routers when a stream breaks.
 
@@ -227,10 +231,10 @@ class Client:
                 raise DeadlineExceeded(f"generation {request_id} did not finish within {timeout:g} s")
             stub = self._stub(address)
             if resuming:
-                resume = inference_pb2.ResumeRequest(request_id=request_id, after_seq=last)
-                call = stub.Resume(resume, timeout=remaining)
+                follow = inference_pb2.ResumeRequest(request_id=request_id, after_seq=last)
+                call = stub.Resume(follow, timeout=remaining, metadata=tuple(metadata))
             else:
-                call = stub.Generate(request, timeout=remaining)
+                call = stub.Generate(request, timeout=remaining, metadata=tuple(metadata))
             broken: grpc.aio.AioRpcError | None = None
             try:
                 async for chunk in call:
