@@ -187,6 +187,10 @@ def from_generation_error(error: worker_pb2.GenerationError) -> MeshError:
     return ERROR_CLASS_TO_EXCEPTION.get(error.error_class, Internal)(error.message)
 
 
+Authorize = Callable[[str, grpc.aio.ServicerContext[Any, Any]], None]
+"""Raises PermissionDenied unless the call's peer may call the method (full name, "/pkg.Service/Method")."""
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps :class:`MeshError` raised by any handler to its gRPC status.
 
@@ -194,39 +198,53 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     call shapes, also for errors raised mid-stream. A request message that
     does not parse is INVALID_ARGUMENT naming its type (gRPC itself would
     answer UNKNOWN before any handler ran).
+
+    Args:
+        authorize: checks the peer before the handler runs (mTLS identities); its PermissionDenied is a status too.
+
     """
+
+    def __init__(self, authorize: Authorize | None = None) -> None:
+        self._authorize = authorize
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        """Wrap the handler's behaviour so MeshError becomes a status."""
+        """Wrap the handler's behaviour so MeshError becomes a status (and the peer is authorized first)."""
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         deserializer = _lenient(handler.request_deserializer)
+        gate = None
+        if self._authorize is not None:
+            authorize, method = self._authorize, handler_call_details.method
+
+            def gate(context: grpc.aio.ServicerContext[Any, Any]) -> None:
+                authorize(method, context)
+
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, streamed=False),
+                _wrap_unary(handler.unary_unary, streamed=False, gate=gate),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, streamed=False),
+                _wrap_stream(handler.unary_stream, streamed=False, gate=gate),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream, streamed=True),
+                _wrap_stream(handler.stream_stream, streamed=True, gate=gate),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, streamed=True),
+                _wrap_unary(handler.stream_unary, streamed=True, gate=gate),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -275,9 +293,15 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: MeshError) 
     await context.abort(error.grpc_code, error.message)
 
 
-def _wrap_unary(behaviour: Callable[..., Awaitable[Any]], *, streamed: bool) -> Callable[..., Awaitable[Any]]:
+Gate = Callable[[grpc.aio.ServicerContext[Any, Any]], None]
+
+
+def _wrap_unary(behaviour: Callable[..., Awaitable[Any]], *, streamed: bool,
+                gate: Gate | None = None) -> Callable[..., Awaitable[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
+            if gate is not None:
+                gate(context)
             return await behaviour(_checked(request) if streamed else _check(request), context)
         except MeshError as error:
             await _abort(context, error)
@@ -285,13 +309,15 @@ def _wrap_unary(behaviour: Callable[..., Awaitable[Any]], *, streamed: bool) -> 
     return wrapped
 
 
-def _wrap_stream(behaviour: Callable[..., Any], *, streamed: bool) -> Callable[..., Any]:
+def _wrap_stream(behaviour: Callable[..., Any], *, streamed: bool, gate: Gate | None = None) -> Callable[..., Any]:
     if not inspect.isasyncgenfunction(behaviour):
         # Handlers that stream with `await context.write(...)` are coroutines.
-        return _wrap_unary(behaviour, streamed=streamed)
+        return _wrap_unary(behaviour, streamed=streamed, gate=gate)
 
     async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
+            if gate is not None:
+                gate(context)
             async for response in behaviour(_checked(request) if streamed else _check(request), context):
                 yield response
         except MeshError as error:

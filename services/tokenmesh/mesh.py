@@ -55,6 +55,9 @@ class MeshConfig:
     """
     gateway_port: int | None = None
     """Port of the HTTP gateway in front of the router; None = no gateway, 0 = a free port (``up``: 8000)."""
+    tls_dir: str = ""
+    """Run router, workers and prober with mutual TLS, from the certificates ``tokenmesh certs`` made in this
+    folder (``<service>.crt``/``.key``, ``ca.crt``); empty = plaintext."""
     metrics: bool = False
     """Router, workers and prober serve Prometheus metrics, each on a free port (``Mesh.metrics_urls``)."""
     log_dir: str = ""
@@ -150,6 +153,10 @@ class Mesh:
             self._logs.append(log_file)
             out = log_file
         cmd = [sys.executable, "-m", "tokenmesh", service, "--ready-file", str(ready), *args]
+        if self.config.tls_dir and service in METERED:  # each service with its own identity, mutual TLS
+            folder = Path(self.config.tls_dir)
+            cmd += ["--tls-mode", "mtls", "--tls-cert", str(folder / f"{service}.crt"),
+                    "--tls-key", str(folder / f"{service}.key"), "--tls-ca", str(folder / "ca.crt")]
         if self.config.metrics and service in METERED:
             with socket.socket() as probe:  # a free port now; the service binds it at once
                 probe.bind((self.config.host, 0))

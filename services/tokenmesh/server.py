@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha._async import ReflectionServicer as _AsyncReflectio
 
 from tokenmesh.errors import ErrorInterceptor
 from tokenmesh.health import LIVENESS, NOT_SERVING, SERVING, HealthServicer
+from tokenmesh.tls import Tls
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class ServiceHost:
         shared_port: other processes may listen on the same port (SO_REUSEPORT; the kernel spreads
             connections over them), and this server also listens on a private loopback port.
         health_port: also serve ``grpc.health.v1`` alone, plaintext, on this port (0: not).
+        tls: TLS (or mutual TLS, with per-RPC identity checks) on the main port; the health port stays plaintext.
 
     """
 
@@ -94,17 +96,22 @@ class ServiceHost:
     """The bound port (after :meth:`start`)."""
     private_address: str
     """With shared_port: this process's own loopback address (after :meth:`start`)."""
+    tls: Tls | None
+    """The main port's TLS (None: plaintext)."""
     health_server: grpc.aio.Server | None
     """The plaintext health-only server (None without a health port)."""
     _names: list[str]
 
     def __init__(
-        self, host: str, port: int, service_names: Iterable[str], *, shared_port: bool = False, health_port: int = 0
+        self, host: str, port: int, service_names: Iterable[str], *, shared_port: bool = False, health_port: int = 0,
+        tls: Tls | None = None,
     ) -> None:
         options = SERVER_OPTIONS
         if shared_port:
             options = (*(o for o in SERVER_OPTIONS if o[0] != "grpc.so_reuseport"), ("grpc.so_reuseport", 1))
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+        self.tls = tls if tls is not None and tls.on else None
+        authorize = self.tls.authorize if self.tls is not None and self.tls.mode == "mtls" else None
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(authorize)], options=options)
         self._shared_port = shared_port
         self.private_address = ""
         self._names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
@@ -132,14 +139,14 @@ class ServiceHost:
     async def start(self) -> int:
         """Bind and start (live, not ready); return the bound port (useful with port 0)."""
         try:
-            self.port = self.server.add_insecure_port(f"{self._host}:{self._requested_port}")
+            self.port = self._bind(f"{self._host}:{self._requested_port}")
         except RuntimeError:  # grpc raises when it cannot bind (older releases returned 0)
             self.port = 0
         if self.port == 0:
             raise OSError(f"cannot listen on {self._host}:{self._requested_port} (in use or not permitted); "
                           "choose another --port (0 picks a free one)")
         if self._shared_port:
-            self.private_address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+            self.private_address = f"127.0.0.1:{self._bind('127.0.0.1:0')}"
         if self.health_server is not None:
             try:
                 bound = self.health_server.add_insecure_port(f"{self._host}:{self._health_port}")
@@ -152,6 +159,11 @@ class ServiceHost:
         await self.server.start()
         await self.health.set(LIVENESS, SERVING)
         return self.port
+
+    def _bind(self, address: str) -> int:
+        if self.tls is None:
+            return self.server.add_insecure_port(address)
+        return self.server.add_secure_port(address, self.tls.server_credentials())
 
     async def set_ready(self, ready: bool) -> None:
         """Readiness, overall and per-service health: SERVING when ready (liveness is left alone)."""

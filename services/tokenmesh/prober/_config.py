@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmesh.config import address_error, check, check_discovery, csv, setting
+from tokenmesh.tls import TlsSettings
 
 
 @dataclass(frozen=True, kw_only=True)
-class ProberConfig:
+class ProberConfig(TlsSettings):
     """Settings of the prober (flags ``--name``, env ``TOKENMESH_PROBER_NAME``)."""
 
     host: str = setting("127.0.0.1", "address to listen on (health and reflection only)")
@@ -56,3 +57,4 @@ class ProberConfig:
         check(self.discovery in ("static", "dns"),
               f"discovery must be static or dns, got {self.discovery!r}")
         check_discovery(self.discovery_interval_s, self.discovery_dns_server)
+        self.check_tls()

@@ -28,6 +28,7 @@ from tokenmesh.prober._metrics import ProberMetrics
 from tokenmesh.prober._weights import Scoring, WorkerView, compute_weight, nonsense
 from tokenmesh.retry import Reconnect, StreamEnded, failure_name, write
 from tokenmesh.server import CHANNEL_OPTIONS, ServiceHost, write_ready_file
+from tokenmesh.tls import Tls
 from tokenmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class Prober(Service):
     """The table decided last (version 0: none yet)."""
     scoring: Scoring
     metrics: ProberMetrics
+    tls: Tls
     metrics_endpoint: MetricsEndpoint | None
     _next_version: int
     _changed: asyncio.Event
@@ -72,7 +74,8 @@ class Prober(Service):
     """The names' lookups (--discovery dns): workers, then routers."""
 
     def __init__(self, config: ProberConfig) -> None:
-        host = ServiceHost(config.host, config.port, [], health_port=config.health_port)
+        self.tls = Tls(config)
+        host = ServiceHost(config.host, config.port, [], health_port=config.health_port, tls=self.tls)
         super().__init__(host, drain_grace_s=0, stop_grace_s=config.stop_grace_s)
         self.config = config
         self.views = {}
@@ -262,7 +265,7 @@ class Prober(Service):
         if address in self.views:
             return
         view = self.views[address] = WorkerView(address)
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = self.tls.channel(address, CHANNEL_OPTIONS)
         self._links[address] = (channel, [self.spawn(self._watch_health(view, channel), f"health watch {address}"),
                                           self.spawn(self._watch_stats(view, channel), f"stats {address}")])
         self._changed.set()
@@ -271,7 +274,7 @@ class Prober(Service):
         if address in self.routers:
             return
         link = self.routers[address] = _RouterLink(address)
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = self.tls.channel(address, CHANNEL_OPTIONS)
         self._links[address] = (channel, [self.spawn(self._push(link, channel), f"weight push {address}")])
 
     def _remove(self, address: str, why: str) -> None:

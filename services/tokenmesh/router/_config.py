@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 from tokenmesh.config import address_error, check, check_discovery, csv, setting
 from tokenmesh.router._pool import POLICIES
+from tokenmesh.tls import TlsSettings
 
 DISCOVERY = ("static", "dns", "prober")
 """Where a router's workers come from (RouterConfig.discovery)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class RouterConfig:
+class RouterConfig(TlsSettings):
     """Settings of one router (flags ``--name``, env ``TOKENMESH_ROUTER_NAME``)."""
 
     host: str = setting("127.0.0.1", "address to listen on")
@@ -50,6 +51,9 @@ class RouterConfig:
                                 "split among them and weight tables are passed on to all")
     process_index: int = setting(0, "internal: which of the --processes this one is (the first starts the others)")
     peers_dir: str = setting("", "internal: folder where the processes of one router list their private addresses")
+    tls_allowed_clients: tuple[str, ...] = setting((), "with --tls-mode mtls: the identities (URI SANs, e.g. "
+                                                       "spiffe://tokenmesh/client) that may call Inference, "
+                                                       "comma-separated; empty = any the CA signed", parse=csv)
 
     def __post_init__(self) -> None:
         """Validate ranges."""
@@ -79,6 +83,7 @@ class RouterConfig:
             problem = address_error(address)
             check(not problem, f"worker address {address!r}: {problem}")
         check_discovery(self.discovery_interval_s, self.discovery_dns_server)
+        self.check_tls()
         check(bool(self.workers) or self.discovery == "prober",
               "give at least one worker (--workers host:port,...), or --discovery prober to learn them from "
               "the prober's weight tables")

@@ -66,6 +66,9 @@ class RouterMetrics:
                                        ["worker", "reason"], registry=r)
         self.resumes = Counter("tokenmesh_router_resumes_total", "Resume calls by outcome", ["outcome"], registry=r)
         self.cancels = Counter("tokenmesh_router_cancels_total", "Cancel calls by outcome", ["outcome"], registry=r)
+        self.denied = Counter("tokenmesh_router_permission_denied_total",
+                              "Calls refused because the peer's mTLS identity may not make them, by RPC group",
+                              ["group"], registry=r)
         self.tables = Counter("tokenmesh_router_weight_tables_total", "Weight tables received, by whether applied",
                               ["applied"], registry=r)
         self.propagation = Histogram("tokenmesh_router_weight_table_propagation_seconds",

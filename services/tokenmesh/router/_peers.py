@@ -20,6 +20,7 @@ import grpc
 import tenacity
 
 from tokenmesh.retry import Reconnect, StreamEnded, write
+from tokenmesh.tls import Tls, TlsSettings
 from tokenmesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ class Peers:
     _wake: dict[int, asyncio.Event]
     """Per sibling, set when there is a newer table to send."""
 
-    def __init__(self, directory: Path, index: int, count: int) -> None:
+    def __init__(self, directory: Path, index: int, count: int, tls: Tls | None = None) -> None:
+        self.tls = tls if tls is not None else Tls(TlsSettings())
         self.directory = directory
         self.index = index
         self.count = count
@@ -121,7 +123,7 @@ class Peers:
             address = self.addresses().get(index)
             if address is None:
                 raise ConnectionError(f"router process {index} is not listed (restarting?)")
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with self.tls.channel(address) as channel:
                 call = router_pb2_grpc.ControlStub(channel).PushWeights(metadata=(FORWARDED,))
                 # A stream that breaks while no table is due wakes the link too: the sibling
                 # restarted, and gets the latest table as soon as it is back, not with the next one.

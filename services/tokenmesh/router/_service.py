@@ -31,6 +31,7 @@ from tokenmesh.router._peers import FORWARDED, Peers
 from tokenmesh.router._pool import WorkerPool
 from tokenmesh.router._tables import check_table
 from tokenmesh.server import WORKER_CHANNEL_OPTIONS, ServiceHost, write_ready_file
+from tokenmesh.tls import Tls
 from tokenmesh.tracing import Tracing
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -157,6 +158,7 @@ class Router(Service):
     metrics: RouterMetrics
     metrics_endpoint: MetricsEndpoint | None
     tracing: Tracing
+    tls: Tls
 
     def __init__(self, config: RouterConfig) -> None:
         names = [
@@ -164,8 +166,9 @@ class Router(Service):
             router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
             router_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
         ]
+        self.tls = Tls(config, config.tls_allowed_clients)
         host = ServiceHost(config.host, config.port, names, shared_port=config.processes > 1,
-                           health_port=config.health_port)
+                           health_port=config.health_port, tls=self.tls)
         super().__init__(host, drain_grace_s=config.drain_grace_s, stop_grace_s=config.stop_grace_s)
         self.config = config
         self.pool = WorkerPool(policy=config.policy, share=(config.process_index, config.processes))
@@ -176,7 +179,7 @@ class Router(Service):
             if not config.peers_dir:
                 self._own_peers_dir = tempfile.TemporaryDirectory(prefix="tokenmesh-router-")
             directory = Path(config.peers_dir or self._own_peers_dir.name)  # type: ignore[union-attr]
-            self.peers = Peers(directory, config.process_index, config.processes)
+            self.peers = Peers(directory, config.process_index, config.processes, self.tls)
         self._channels = {}
         self._stubs = {}
         self._new_workers = asyncio.Queue()
@@ -185,6 +188,7 @@ class Router(Service):
         )
         self.metrics = RouterMetrics(config.metrics_tenants, enabled=bool(config.metrics_port))
         self.metrics_endpoint = None
+        self.tls.denied = lambda group: self.metrics.denied.labels(group).inc()
         self.metrics.watch(self.pool, self.admission)
         self.inference = InferenceServicer(config, self.pool, self._stubs, self.admission, self.metrics)
         self.tracing = Tracing("router")
@@ -206,7 +210,7 @@ class Router(Service):
         self.pool.add(address, found_by)  # one discovery had let go is taken back
         if address in self._channels:
             return
-        channel = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
+        channel = self.tls.channel(address, WORKER_CHANNEL_OPTIONS)
         self._channels[address] = channel
         self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         self._watches[address] = self.spawn(self._watch_worker(address, channel), f"health watch {address}")

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmesh.config import check, setting
+from tokenmesh.tls import TlsSettings
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerConfig:
+class WorkerConfig(TlsSettings):
     """Settings of one worker (flags ``--name``, env ``TOKENMESH_WORKER_NAME``)."""
 
     host: str = setting("127.0.0.1", "address to listen on")
@@ -41,6 +42,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         """Validate ranges."""
+        self.check_tls()
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
         check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
         check(0 <= self.metrics_port <= 65535, f"metrics_port must be 0..65535, got {self.metrics_port}")

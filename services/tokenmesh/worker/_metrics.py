@@ -36,6 +36,9 @@ class WorkerMetrics:
                                    ["outcome"], registry=r)
         self.failures = Counter("tokenmesh_worker_failures_total", "Generations the backend failed, by class",
                                 ["error_class"], registry=r)
+        self.denied = Counter("tokenmesh_worker_permission_denied_total",
+                              "Calls refused because the peer's mTLS identity may not make them, by RPC group",
+                              ["group"], registry=r)
         self.output_tokens = Counter("tokenmesh_worker_generation_tokens_total", "Tokens the engine produced",
                                      registry=r)
 

@@ -13,6 +13,7 @@ from tokenmesh.lifecycle import Service
 from tokenmesh.metrics import MetricsEndpoint
 from tokenmesh.retry import Backoff, Reconnect
 from tokenmesh.server import ServiceHost, write_ready_file
+from tokenmesh.tls import Tls
 from tokenmesh.tracing import Tracing
 from tokenmesh.v1 import worker_pb2, worker_pb2_grpc
 from tokenmesh.worker._backend import Backend, GenerationParams
@@ -47,7 +48,8 @@ class Worker(Service):
 
     def __init__(self, config: WorkerConfig, backend: Backend | None = None) -> None:
         service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-        host = ServiceHost(config.host, config.port, [service_name], health_port=config.health_port)
+        tls = Tls(config)
+        host = ServiceHost(config.host, config.port, [service_name], health_port=config.health_port, tls=tls)
         super().__init__(host, drain_grace_s=config.drain_grace_s, stop_grace_s=config.stop_grace_s)
         self.config = config
         self._tmp = None
@@ -62,6 +64,7 @@ class Worker(Service):
             memory_threshold=config.memory_threshold,
         )
         self.servicer.metrics.enabled = bool(config.metrics_port)
+        tls.denied = lambda group: self.servicer.metrics.denied.labels(group).inc()
         self.tracing = Tracing("worker")
         self.servicer.tracer = self.tracing.tracer
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, host.server)
