@@ -9,11 +9,13 @@ and review the diff.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -42,6 +44,11 @@ APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 IMAGE = f"tokenmesh:{APP_VERSION}"  # the default image.tag
 GPU = "nvidia.com/gpu"
 COREDNS_TTL_S = 5  # the TTL of CoreDNS's kubernetes plugin, which cluster DNS answers carry
+METRICS_PORT = 9090  # values.yaml metrics.port
+ALERTS = CHART / "files" / "tokenmesh-alerts.yaml"
+DASHBOARD = CHART / "files" / "grafana-dashboard.json"
+# What a cluster with the Prometheus Operator serves (helm template --api-versions).
+OPERATOR_API = "monitoring.coreos.com/v1"
 
 Overrides = tuple[tuple[str, str], ...]
 
@@ -68,31 +75,45 @@ def helm(request: pytest.FixtureRequest) -> str:
 
 
 @functools.cache
-def run_template(helm: str, value_set: str, extra: Overrides = (),
-                 kube: str = NEWEST) -> subprocess.CompletedProcess[str]:
+def run_template(helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST,
+                 api_versions: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     command = [str(helm_binary(helm)), "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
                "--kube-version", kube]
     if value_set != "defaults":
         command += ["--values", str(CHART / "examples" / f"{value_set}.yaml")]
     for key, value in extra:
         command += ["--set-json", f"{key}={value}"]
+    for api in api_versions:
+        command += ["--api-versions", api]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
-def render_text(helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST) -> str:
-    done = run_template(helm, value_set, extra, kube)
+def render_text(helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST,
+                api_versions: tuple[str, ...] = ()) -> str:
+    done = run_template(helm, value_set, extra, kube, api_versions)
     assert done.returncode == 0, f"helm template failed:\n{done.stderr}"
     return done.stdout
 
 
 @functools.cache
-def _render(helm: str, value_set: str, extra: Overrides, kube: str) -> tuple[dict[str, Any], ...]:
-    return tuple(doc for doc in yaml.safe_load_all(render_text(helm, value_set, extra, kube)) if doc)
+def _render(helm: str, value_set: str, extra: Overrides, kube: str,
+            api_versions: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
+    return tuple(doc for doc in yaml.safe_load_all(render_text(helm, value_set, extra, kube, api_versions)) if doc)
 
 
-def render(helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST) -> list[dict[str, Any]]:
+def render(helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST,
+           api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """The rendered objects (fresh copies: tests may change them)."""
-    return json.loads(json.dumps(_render(helm, value_set, extra, kube)))
+    return json.loads(json.dumps(_render(helm, value_set, extra, kube, api_versions)))
+
+
+# Every monitoring object on, in a cluster that has the Prometheus Operator's CRDs.
+MONITORING = overrides(monitoring__podMonitor__enabled=True, monitoring__prometheusRule__enabled=True,
+                       monitoring__grafanaDashboard__enabled=True)
+
+
+def render_monitoring(helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST) -> list[dict[str, Any]]:
+    return render(helm, value_set, MONITORING + extra, kube, (OPERATOR_API,))
 
 
 def objects(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -125,10 +146,17 @@ def arg(container: dict[str, Any], flag: str) -> str:
 
 
 def validation_errors(docs: list[dict[str, Any]], kube: str) -> list[str]:
-    """Every object against the Kubernetes schemas of that version; unknown fields are errors."""
+    """Every object against the Kubernetes schemas of that version; unknown fields are errors.
+
+    kubernetes-validate knows only built-in kinds: the Prometheus Operator's
+    (CRDs) are checked against CRD_SHAPES instead, as strictly.
+    """
     errors = []
     for doc in docs:
         where = f"{doc['kind']}/{doc['metadata']['name']}"
+        if doc.get("apiVersion") == OPERATOR_API and doc.get("kind") in CRD_SHAPES:
+            errors += [f"{where}: {error}" for error in shape_errors(doc, CRD_SHAPES[doc["kind"]])]
+            continue
         try:
             kubernetes_validate.validate(doc, kube, strict=True)
         except kubernetes_validate.ValidationError as error:
@@ -140,6 +168,116 @@ def validation_errors(docs: list[dict[str, Any]], kube: str) -> list[str]:
 
 def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(key) == value for key, value in selector.items())
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A metav1.LabelSelector (matchLabels and matchExpressions) against a pod's labels."""
+    def expression(e: dict[str, Any]) -> bool:
+        present, value = e["key"] in labels, labels.get(e["key"])
+        return {"In": present and value in e.get("values", []),
+                "NotIn": not present or value not in e.get("values", []),
+                "Exists": present, "DoesNotExist": not present}[e["operator"]]
+
+    return (labels_match(selector.get("matchLabels", {}), labels)
+            and all(expression(e) for e in selector.get("matchExpressions", [])))
+
+
+# ------------------------------------------- the Prometheus Operator's CRDs
+#
+# Structural shapes of PodMonitor and PrometheusRule (monitoring.coreos.com/v1):
+# the fields of the operator's CRDs that the chart may use, each with its type.
+# A field not listed is an error, as with kubernetes-validate --strict.
+
+
+@dataclasses.dataclass(frozen=True)
+class Obj:
+    """An object with only these fields (name -> shape), the required ones present."""
+
+    fields: dict[str, Any]
+    required: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class MapOf:
+    """An object of any keys matching `keys`, each value of shape `values`."""
+
+    values: Any
+    keys: re.Pattern[str] = re.compile(r".+")
+
+
+@dataclasses.dataclass(frozen=True)
+class ListOf:
+    items: Any
+    min_items: int = 0
+
+
+# A shape is a Python type, a frozenset (one of these values), a compiled pattern
+# (a string matching it), a tuple (any one of these shapes), or Obj / MapOf / ListOf.
+DURATION = re.compile(r"(0|([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?([0-9]+ms)?)")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+METADATA = Obj({"name": DNS_SUBDOMAIN, "namespace": DNS_SUBDOMAIN, "labels": MapOf(LABEL_VALUE, LABEL_KEY),
+                "annotations": MapOf(str)}, required=("name",))
+LABEL_SELECTOR = Obj({
+    "matchLabels": MapOf(LABEL_VALUE, LABEL_KEY),
+    "matchExpressions": ListOf(Obj({"key": LABEL_KEY, "operator": frozenset({"In", "NotIn", "Exists", "DoesNotExist"}),
+                                    "values": ListOf(LABEL_VALUE)}, required=("key", "operator"))),
+})
+POD_METRICS_ENDPOINT = Obj({
+    "port": str, "portNumber": int, "path": str, "scheme": frozenset({"http", "https"}), "interval": DURATION,
+    "scrapeTimeout": DURATION, "honorLabels": bool, "honorTimestamps": bool, "params": MapOf(ListOf(str)),
+    "relabelings": ListOf(dict), "metricRelabelings": ListOf(dict),
+})
+RULE = Obj({"alert": str, "record": str, "expr": (str, int), "for": DURATION, "keep_firing_for": DURATION,
+            "labels": MapOf(str), "annotations": MapOf(str)}, required=("expr",))
+CRD_SHAPES: dict[str, Obj] = {
+    kind: Obj({"apiVersion": frozenset({OPERATOR_API}), "kind": frozenset({kind}), "metadata": METADATA,
+               "spec": spec}, required=("apiVersion", "kind", "metadata", "spec"))
+    for kind, spec in {
+        "PodMonitor": Obj({
+            "selector": LABEL_SELECTOR,
+            "namespaceSelector": Obj({"any": bool, "matchNames": ListOf(str)}),
+            "podMetricsEndpoints": ListOf(POD_METRICS_ENDPOINT, min_items=1),
+            "jobLabel": str, "podTargetLabels": ListOf(str), "sampleLimit": int,
+        }, required=("selector", "podMetricsEndpoints")),
+        "PrometheusRule": Obj({"groups": ListOf(Obj({
+            "name": str, "interval": DURATION, "limit": int, "query_offset": DURATION,
+            "partial_response_strategy": str, "rules": ListOf(RULE),
+        }, required=("name", "rules")), min_items=1)}, required=("groups",)),
+    }.items()
+}
+
+
+def shape_errors(node: Any, shape: Any, path: str = "") -> list[str]:
+    """Where `node` departs from `shape` (empty: it fits)."""
+    where = path or "."
+    if isinstance(shape, tuple):
+        return [] if any(not shape_errors(node, s, path) for s in shape) else [f"{where}: {node!r} fits no shape"]
+    if isinstance(shape, type):
+        fits = isinstance(node, shape) and not (shape is int and isinstance(node, bool))
+        return [] if fits else [f"{where}: expected {shape.__name__}, got {node!r}"]
+    if isinstance(shape, frozenset):
+        return [] if node in shape else [f"{where}: {node!r} is not one of {sorted(shape)}"]
+    if isinstance(shape, re.Pattern):
+        fits = isinstance(node, str) and shape.fullmatch(node) is not None
+        return [] if fits else [f"{where}: {node!r} does not match {shape.pattern}"]
+    if isinstance(shape, ListOf):
+        if not isinstance(node, list):
+            return [f"{where}: expected a list, got {node!r}"]
+        short = [f"{where}: fewer than {shape.min_items} items"] if len(node) < shape.min_items else []
+        return short + [e for i, item in enumerate(node) for e in shape_errors(item, shape.items, f"{path}[{i}]")]
+    if not isinstance(node, dict):
+        return [f"{where}: expected an object, got {node!r}"]
+    if isinstance(shape, MapOf):
+        return [e for key, value in node.items()
+                for e in ([] if isinstance(key, str) and shape.keys.fullmatch(key) else [f"{where}: bad key {key!r}"])
+                + shape_errors(value, shape.values, f"{path}.{key}")]
+    assert isinstance(shape, Obj), shape
+    errors = [f"{path}.{key}: '{key}' was unexpected" for key in node if key not in shape.fields]
+    errors += [f"{path}.{key}: required" for key in shape.required if key not in node]
+    return errors + [e for key, value in node.items() if key in shape.fields
+                     for e in shape_errors(value, shape.fields[key], f"{path}.{key}")]
 
 
 # ------------------------------------------------- lint, validation, golden
@@ -185,6 +323,28 @@ def test_strict_validation_rejects_a_misspelt_field() -> None:
     assert error.startswith(f"Deployment/{RELEASE}-router") and "'servce' was unexpected" in error
 
 
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_monitoring_objects_validate(helm: str, value_set: str, kube: str) -> None:
+    docs = render_monitoring(helm, value_set, kube=kube)
+    kinds = [doc["kind"] for doc in docs]
+    assert [kinds.count(kind) for kind in ("PodMonitor", "PrometheusRule", "ConfigMap")] == [1, 1, 1]
+    assert validation_errors(docs, kube) == []
+
+
+def test_crd_shapes_reject_misspelt_and_mistyped_fields() -> None:
+    # What makes the structural check worth having: the CRD objects are held to the same standard.
+    docs = render_monitoring("helm4", "defaults")
+    objects(docs, "PodMonitor")[RELEASE]["spec"]["podMetricsEndpoints"][0]["intervall"] = "15s"
+    objects(docs, "PrometheusRule")[RELEASE]["spec"]["groups"][0]["rules"][0]["for"] = "2 minutes"
+    objects(docs, "PrometheusRule")[RELEASE]["metadata"]["labels"]["release"] = ["prometheus"]
+    errors = validation_errors(docs, NEWEST)
+    assert len(errors) == 3, errors
+    assert errors[0] == f"PodMonitor/{RELEASE}: .spec.podMetricsEndpoints[0].intervall: 'intervall' was unexpected"
+    assert errors[1].startswith(f"PrometheusRule/{RELEASE}: .metadata.labels.release: ['prometheus'] does not match")
+    assert errors[2].startswith(f"PrometheusRule/{RELEASE}: .spec.groups[0].rules[0].for: '2 minutes' does not match")
+
+
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_golden_render(helm: str, example: str) -> None:
     rendered = render_text(helm, example)
@@ -227,6 +387,21 @@ BAD_VALUES = {
                            "worker.gpus"),
     "autoscaling-without-cpu-request": (overrides(router__autoscaling__enabled=True, router__resources__requests=None),
                                         "router.resources.requests.cpu"),
+    # Rendered without --api-versions: a cluster without the Prometheus Operator.
+    "podmonitor-without-operator-crds": (overrides(monitoring__podMonitor__enabled=True),
+                                         "monitoring.podMonitor.enabled"),
+    "prometheusrule-without-operator-crds": (overrides(monitoring__prometheusRule__enabled=True),
+                                             "monitoring.prometheusRule.enabled"),
+    "metrics-port-on-the-health-port": (overrides(metrics__port=8081), "metrics.port"),
+    "metrics-port-on-the-router-port": (overrides(metrics__port=50051), "metrics.port"),
+    "metrics-port-on-tritons-port": (overrides(triton__mode="sidecar", triton__image=SIDECAR_IMAGE,
+                                               triton__modelRepository__volume={"emptyDir": {}}, metrics__port=8002),
+                                     "metrics.port"),
+    "tenant-with-a-comma": (overrides(metrics__tenants=["acme,globex"]), "metrics.tenants"),
+    "unknown-log-format": (overrides(logFormat="yaml"), "logFormat"),
+    "scrape-interval-not-a-duration": (overrides(monitoring__podMonitor__interval="15 seconds"),
+                                       "monitoring.podMonitor.interval"),
+    "misspelt-monitoring-key": (overrides(monitoring__podMonitor__enable=True), "enable"),
 }
 
 
@@ -238,6 +413,18 @@ def test_bad_values_fail_naming_the_value(helm: str, case: str) -> None:
     # helm v3 names schema errors worker.gpus, helm v4 /worker/gpus.
     pointer = "/" + name.replace(".", "/")
     assert name in done.stderr or pointer in done.stderr, done.stderr
+
+
+def test_pod_monitor_needs_the_metrics_it_scrapes(helm: str) -> None:
+    done = run_template(helm, "defaults", overrides(monitoring__podMonitor__enabled=True, metrics__enabled=False),
+                        api_versions=(OPERATOR_API,))
+    assert done.returncode != 0
+    assert "monitoring.podMonitor.enabled needs metrics.enabled" in done.stderr, done.stderr
+
+
+def test_crd_refusal_says_what_to_install(helm: str) -> None:
+    done = run_template(helm, "defaults", overrides(monitoring__podMonitor__enabled=True))
+    assert "Prometheus Operator" in done.stderr and OPERATOR_API in done.stderr, done.stderr
 
 
 def test_drain_budget_at_its_limit_renders(helm: str) -> None:
@@ -469,15 +656,138 @@ def test_network_policies_are_optional_and_open_only_the_mesh_paths(helm: str) -
     assert sources("worker", 8002) == example["metricsFrom"]
     for component in ("router", "worker", "prober"):
         assert sources(component, 8081) == [{"anyone": True}], "the kubelet's probes come from the node"
+        assert sources(component, METRICS_PORT) == example["metricsFrom"], f"{component}: metrics not scrapable"
+
+    # Without metrics, no metrics port is opened (Triton's stays).
+    off = objects(render(helm, "gpu-sidecar", overrides(metrics__enabled=False)), "NetworkPolicy")
+    ports = {name: [port for rule in policy["spec"]["ingress"] for port in rule["ports"]]
+             for name, policy in off.items()}
+    assert not [name for name, found in ports.items() if {"port": METRICS_PORT, "protocol": "TCP"} in found]
+    assert {"port": 8002, "protocol": "TCP"} in ports[f"{RELEASE}-worker"]
+    # Nor without anyone to scrape them (metricsFrom empty = no one).
+    closed = render(helm, "gpu-sidecar", overrides(networkPolicy__metricsFrom=[]))
+    for name, policy in objects(closed, "NetworkPolicy").items():
+        assert not [r for r in policy["spec"]["ingress"]
+                    if {"port": METRICS_PORT, "protocol": "TCP"} in r["ports"]], name
+
+
+# ---------------------------------------------------------------- metrics
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_every_tokenmesh_container_serves_metrics(helm: str, value_set: str) -> None:
+    for container in tokenmesh_containers(render(helm, value_set)):
+        assert arg(container, "--metrics-port") == str(METRICS_PORT)
+        assert {"name": "metrics", "containerPort": METRICS_PORT} in container["ports"]
+        assert not [a for a in container["args"] if a.startswith("--metrics-tenants")], "no tenants by default"
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert (env["TOKENMESH_LOG_LEVEL"], env["TOKENMESH_LOG_FORMAT"]) == ("INFO", "text")
+
+
+def test_metrics_values_reach_every_container(helm: str) -> None:
+    docs = render(helm, "gpu-sidecar", overrides(metrics__port=9100, metrics__tenants=["acme", "globex"],
+                                                 logFormat="json"))
+    for container in tokenmesh_containers(docs):
+        assert arg(container, "--metrics-port") == "9100"
+        assert {"name": "metrics", "containerPort": 9100} in container["ports"]
+        assert {"name": "TOKENMESH_LOG_FORMAT", "value": "json"} in container["env"]
+        tenants = [a for a in container["args"] if a.startswith("--metrics-tenants")]
+        assert tenants == (["--metrics-tenants=acme,globex"] if container["args"][0] == "router" else [])
+    # Triton's own metrics port is not the tokenmesh one.
+    (triton,) = pod_spec(docs, "worker")["initContainers"]
+    assert [p["name"] for p in triton["ports"]] == ["triton-http", "triton-grpc", "triton-metrics"]
+
+    off = render(helm, "defaults", overrides(metrics__enabled=False, metrics__tenants=["acme"]))
+    for container in tokenmesh_containers(off):
+        assert not [a for a in container["args"] if a.startswith("--metrics")], container["args"]
+        assert "metrics" not in [p["name"] for p in container["ports"]]
+
+
+def test_monitoring_objects_are_off_by_default(helm: str) -> None:
+    kinds = {doc["kind"] for doc in render(helm, "defaults")}
+    assert not kinds & {"PodMonitor", "PrometheusRule", "ConfigMap"}
+
+
+def pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {name: doc["spec"]["template"]["metadata"]["labels"] for name, doc in objects(docs, "Deployment").items()}
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_pod_monitor_scrapes_the_metrics_port_of_every_tokenmesh_pod(helm: str, value_set: str) -> None:
+    docs = render_monitoring(helm, value_set, overrides(monitoring__podMonitor__labels={"release": "prometheus"}))
+    (monitor,) = objects(docs, "PodMonitor").values()
+    # Prometheus' podMonitorSelector picks it by the labels given; the chart's own stay.
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+    spec = monitor["spec"]
+    assert spec["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    assert "namespaceSelector" not in spec, "the PodMonitor's own namespace: the release's"
+    selected = sorted(name for name, labels in pod_labels(docs).items() if selects(spec["selector"], labels))
+    assert selected == [f"{RELEASE}-{c}" for c in ("prober", "router", "worker")]
+    for name in selected:
+        ports = [p for c in containers(pod_spec(docs, name.removeprefix(f"{RELEASE}-")))
+                 for p in c.get("ports", []) if p["name"] == "metrics"]
+        assert ports == [{"name": "metrics", "containerPort": METRICS_PORT}], name
+    # Another release's pods (or a pod of another component) are not scraped twice.
+    router = pod_labels(docs)[f"{RELEASE}-router"]
+    assert not selects(spec["selector"], {**router, "app.kubernetes.io/instance": "other"})
+    assert not selects(spec["selector"], {**router, "app.kubernetes.io/component": "gateway"})
+
+
+def test_pod_monitor_interval_is_a_value(helm: str) -> None:
+    docs = render_monitoring(helm, "defaults", overrides(monitoring__podMonitor__interval="1m30s"))
+    (monitor,) = objects(docs, "PodMonitor").values()
+    assert monitor["spec"]["podMetricsEndpoints"][0]["interval"] == "1m30s"
+
+
+def test_prometheus_rule_is_the_alerts_file(helm: str) -> None:
+    docs = render_monitoring(helm, "defaults", overrides(monitoring__prometheusRule__labels={"role": "alert-rules"}))
+    (rule,) = objects(docs, "PrometheusRule").values()
+    assert rule["metadata"]["labels"]["role"] == "alert-rules"
+    assert rule["spec"] == {"groups": yaml.safe_load(ALERTS.read_text())["groups"]}
+    for group in rule["spec"]["groups"]:
+        for each in group["rules"]:
+            assert ("alert" in each) != ("record" in each), each
+    # The file is the single source: no template holds a copy of a rule.
+    for template in (CHART / "templates").iterdir():
+        assert "TokenmeshWorkerDown" not in template.read_text(), template.name
+
+
+def test_grafana_dashboard_is_a_config_map_for_the_sidecar(helm: str) -> None:
+    docs = render_monitoring(helm, "defaults")
+    (config_map,) = objects(docs, "ConfigMap").values()
+    metadata = config_map["metadata"]
+    assert metadata["labels"]["grafana_dashboard"] == "1"
+    assert metadata["namespace"] == NAMESPACE
+    assert config_map["data"] == {"tokenmesh.json": DASHBOARD.read_text().rstrip("\n")}
+    assert json.loads(config_map["data"]["tokenmesh.json"])["uid"] == "tokenmesh"
+    # No CRD involved: it renders without the operator, in Grafana's namespace when asked, with its label.
+    elsewhere = render(helm, "defaults", overrides(monitoring__grafanaDashboard__enabled=True,
+                                                   monitoring__grafanaDashboard__namespace="monitoring",
+                                                   monitoring__grafanaDashboard__labels={"dashboards": "tokenmesh"}))
+    (config_map,) = objects(elsewhere, "ConfigMap").values()
+    assert config_map["metadata"]["namespace"] == "monitoring"
+    # helm merges the given labels into the default one.
+    assert {"grafana_dashboard": "1", "dashboards": "tokenmesh"}.items() <= config_map["metadata"]["labels"].items()
+    assert validation_errors(elsewhere, NEWEST) == []
 
 
 # ------------------------------------------- the services accept the args
 
 
-@pytest.mark.parametrize("value_set", VALUE_SETS)
-def test_container_args_pass_the_real_config_check(value_set: str) -> None:
+CONFIG_CASES = {
+    **{value_set: (value_set, ()) for value_set in VALUE_SETS},
+    "metrics-tenants-json-logs": ("defaults", overrides(metrics__port=9100, metrics__tenants=["acme", "globex"],
+                                                        logFormat="json")),
+    "metrics-off": ("gpu-sidecar", overrides(metrics__enabled=False)),
+}
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES)
+def test_container_args_pass_the_real_config_check(case: str) -> None:
     # The renders of both helms are byte-identical (test_golden_render), so one suffices.
-    for container in tokenmesh_containers(render("helm4", value_set)):
+    value_set, extra = CONFIG_CASES[case]
+    for container in tokenmesh_containers(render("helm4", value_set, extra)):
         env = {**os.environ, **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}
         done = subprocess.run([str(BIN / "tokenmesh"), *container["args"], "--check-config"],
                               capture_output=True, text=True, env=env, timeout=60, check=False)

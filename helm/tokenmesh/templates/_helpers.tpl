@@ -100,12 +100,14 @@ lifecycle:
       command: ["sleep", "{{ . }}"]
 {{- end -}}
 
-{{/* TOKENMESH_LOG_LEVEL plus a component's own env: (list $ env). */}}
+{{/* TOKENMESH_LOG_LEVEL and _FORMAT plus a component's own env: (list $ env). */}}
 {{- define "tokenmesh.env" -}}
 {{- $root := index . 0 -}}
 env:
   - name: TOKENMESH_LOG_LEVEL
     value: {{ $root.Values.logLevel | quote }}
+  - name: TOKENMESH_LOG_FORMAT
+    value: {{ $root.Values.logFormat | quote }}
 {{- with index . 1 }}
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -160,4 +162,21 @@ runs Triton gets them.
 resources:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+{{/* Fails unless the cluster serves the Prometheus Operator's CRDs: (list $ "monitoring.podMonitor.enabled"). */}}
+{{- define "tokenmesh.requireOperatorCRDs" -}}
+{{- $root := index . 0 -}}
+{{- if not ($root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") -}}
+{{- fail (printf "%s needs the Prometheus Operator's CRDs (API monitoring.coreos.com/v1), which the cluster does not serve: install the Prometheus Operator (e.g. kube-prometheus-stack) first (helm template: --api-versions monitoring.coreos.com/v1)" (index . 1)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The chart's labels of a release-wide object plus the user's (which win on a
+clash, and never repeat a key): (list $ extra-labels).
+*/}}
+{{- define "tokenmesh.extraLabels" -}}
+{{- $labels := include "tokenmesh.labels" (list (index . 0) "mesh") | fromYaml -}}
+{{- toYaml (merge (deepCopy (default (dict) (index . 1))) $labels) -}}
 {{- end -}}
