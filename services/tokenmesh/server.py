@@ -87,6 +87,7 @@ class ServiceHost:
             connections over them), and this server also listens on a private loopback port.
         health_port: also serve ``grpc.health.v1`` alone, plaintext, on this port (0: not).
         tls: TLS (or mutual TLS, with per-RPC identity checks) on the main port; the health port stays plaintext.
+        max_streams_per_connection: HTTP/2 streams one client connection may have open at once (0: gRPC's default).
 
     """
 
@@ -104,9 +105,11 @@ class ServiceHost:
 
     def __init__(
         self, host: str, port: int, service_names: Iterable[str], *, shared_port: bool = False, health_port: int = 0,
-        tls: Tls | None = None,
+        tls: Tls | None = None, max_streams_per_connection: int = 0,
     ) -> None:
         options = SERVER_OPTIONS
+        if max_streams_per_connection:
+            options = (*options, ("grpc.max_concurrent_streams", max_streams_per_connection))
         if shared_port:
             options = (*(o for o in SERVER_OPTIONS if o[0] != "grpc.so_reuseport"), ("grpc.so_reuseport", 1))
         self.tls = tls if tls is not None and tls.on else None

@@ -14,6 +14,14 @@ from tokenmesh.v1 import inference_pb2
 
 ROLES = frozenset({"system", "user", "assistant"})
 """Roles a chat message may have."""
+MAX_LABELS = 16
+"""Labels a request may carry (each one is held for the whole generation, by router and worker)."""
+MAX_LABEL_KEY_CHARS = 64
+MAX_LABEL_VALUE_CHARS = 256
+MAX_STOP = 16
+"""Stop sequences a request may have (OpenAI allows 4; each is matched against every token)."""
+MAX_STOP_CHARS = 512
+MAX_REQUEST_ID_CHARS = 128
 
 
 def check_request(request: inference_pb2.GenerateRequest, max_prompt_bytes: int | None = None) -> None:
@@ -35,6 +43,27 @@ def check_request(request: inference_pb2.GenerateRequest, max_prompt_bytes: int 
         raise InvalidArgument(f"top_p must be in (0, 1], got {request.top_p}")
     if request.priority not in inference_pb2.Priority.values():
         raise InvalidArgument(f"unknown priority {request.priority}; use PRIORITY_LOW, _NORMAL or _HIGH")
+    check_bounds(request)
+
+
+def check_bounds(request: inference_pb2.GenerateRequest) -> None:
+    """Raise InvalidArgument for fields past the limits that bound what one caller can make the mesh hold."""
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
+        raise InvalidArgument(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters")
+    if len(request.labels) > MAX_LABELS:
+        raise InvalidArgument(f"{len(request.labels)} labels; at most {MAX_LABELS}")
+    for key, value in request.labels.items():
+        if not key or len(key) > MAX_LABEL_KEY_CHARS or not key.isprintable():
+            raise InvalidArgument(f"label key {key[:MAX_LABEL_KEY_CHARS]!r}: 1..{MAX_LABEL_KEY_CHARS} printable "
+                                  "characters")
+        if len(value) > MAX_LABEL_VALUE_CHARS or not value.isprintable():
+            raise InvalidArgument(f"label {key!r}: its value must be at most {MAX_LABEL_VALUE_CHARS} printable "
+                                  "characters")
+    if len(request.stop) > MAX_STOP:
+        raise InvalidArgument(f"{len(request.stop)} stop sequences; at most {MAX_STOP}")
+    for i, stop in enumerate(request.stop):
+        if not stop or len(stop) > MAX_STOP_CHARS:
+            raise InvalidArgument(f"stop[{i}] must be 1..{MAX_STOP_CHARS} characters")
 
 
 def check_max_tokens(request: inference_pb2.GenerateRequest, model: str, max_context: int) -> None:

@@ -7,6 +7,7 @@ import re
 import urllib.request
 from pathlib import Path
 
+import grpc
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -44,15 +45,16 @@ async def test_the_router_counts_what_callers_feel_and_reads_the_pool_at_scrape_
         finals = []
         for i in range(4):
             request = inference_pb2.GenerateRequest(prompt=f"p{i}", max_tokens=8)
-            request.labels["tenant"] = "acme" if i < 2 else "\x00evil" + "x" * 100_000
+            request.labels["tenant"] = "acme" if i < 2 else "evil-" + "x" * 200  # not on the list: "other"
             finals.append([c async for c in mesh.inference.Generate(request)][-1])
-        bad = inference_pb2.GenerateRequest(prompt="p", model="nope")
-        error = None
-        try:
-            [c async for c in mesh.inference.Generate(bad)]
-        except Exception as exc:  # noqa: BLE001 - only its status matters here
-            error = exc
-        assert error is not None
+        for bad in (inference_pb2.GenerateRequest(prompt="p", model="nope"),
+                    inference_pb2.GenerateRequest(prompt="p", labels={"tenant": "\x00" + "y" * 100_000})):
+            try:
+                [c async for c in mesh.inference.Generate(bad)]
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+            else:
+                raise AssertionError("a bad request was served")
         samples = await asyncio.to_thread(scrape, port)
 
     model = mesh.backends[0].models()[0].name
@@ -62,6 +64,8 @@ async def test_the_router_counts_what_callers_feel_and_reads_the_pool_at_scrape_
     assert total(samples, "tokenmesh_router_requests_total", outcome="length", tenant="other") == 2
     assert not any("evil" in v for (_, ls) in samples for _, v in ls)  # the caller's label never became one
     assert total(samples, "tokenmesh_router_requests_total", outcome="not_found", model="") == 1
+    assert total(samples, "tokenmesh_router_requests_total", outcome="invalid_argument", tenant="other") == 1
+    assert not any("y" * 100 in v or "\x00" in v for (_, ls) in samples for _, v in ls)
     assert total(samples, "tokenmesh_router_time_to_first_token_seconds_count", model=model) == 4
     assert total(samples, "tokenmesh_router_generation_tokens_total", model=model) == 32
     assert total(samples, "tokenmesh_router_request_duration_seconds_count", outcome="length") == 4

@@ -40,6 +40,10 @@ class RouterConfig(TlsSettings):
     max_migrations: int = setting(3, "times one generation may move to (or be retried on) another worker")
     failover_wait_s: float = setting(30.0, "how long a stream whose worker failed waits for another live worker")
     policy: str = setting("prefix", "worker selection: prefix (KV-cache affinity), least-loaded, round-robin")
+    max_streams_per_connection: int = setting(1024, "streams one caller connection may have open at once "
+                                                    "(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); more are refused "
+                                                    "with UNAVAILABLE (never started: retry). Bounds what one "
+                                                    "caller makes the router hold")
     max_queue: int = setting(256, "generations that may wait for a worker slot; more get RESOURCE_EXHAUSTED")
     queue_timeout_s: float = setting(30.0, "longest wait for a worker slot before RESOURCE_EXHAUSTED")
     aging_s: float = setting(5.0, "a waiting generation rises one priority level per this many seconds")
@@ -68,6 +72,8 @@ class RouterConfig(TlsSettings):
         check(self.failover_wait_s >= 0, f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
         check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         check(self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}")
+        check(self.max_streams_per_connection >= 1,
+              f"max_streams_per_connection must be >= 1, got {self.max_streams_per_connection}")
         check(self.queue_timeout_s > 0, f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
         check(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}")
         check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")

@@ -168,7 +168,8 @@ class Router(Service):
         ]
         self.tls = Tls(config, config.tls_allowed_clients)
         host = ServiceHost(config.host, config.port, names, shared_port=config.processes > 1,
-                           health_port=config.health_port, tls=self.tls)
+                           health_port=config.health_port, tls=self.tls,
+                           max_streams_per_connection=config.max_streams_per_connection)
         super().__init__(host, drain_grace_s=config.drain_grace_s, stop_grace_s=config.stop_grace_s)
         self.config = config
         self.pool = WorkerPool(policy=config.policy, share=(config.process_index, config.processes))
