@@ -49,6 +49,8 @@ ALERTS = CHART / "files" / "tokenmesh-alerts.yaml"
 DASHBOARD = CHART / "files" / "grafana-dashboard.json"
 # What a cluster with the Prometheus Operator serves (helm template --api-versions).
 OPERATOR_API = "monitoring.coreos.com/v1"
+# ... and one with cert-manager.
+CERT_MANAGER_API = "cert-manager.io/v1"
 
 Overrides = tuple[tuple[str, str], ...]
 
@@ -116,6 +118,29 @@ def render_monitoring(helm: str, value_set: str, extra: Overrides = (), kube: st
     return render(helm, value_set, MONITORING + extra, kube, (OPERATOR_API,))
 
 
+# TLS (tls.mode): the Secrets one would make, or cert-manager's Certificates.
+TLS_DIR = "/etc/tokenmesh/tls"
+TLS_SERVER_NAME = f"{RELEASE}-mesh.{NAMESPACE}.svc"  # on every certificate; what routers and the prober verify
+COMPONENTS = ("router", "worker", "prober")
+EXISTING_SECRETS = {component: f"mesh-{component}-tls" for component in COMPONENTS}
+TLS_EXISTING = overrides(tls__mode="existingSecret", tls__existingSecrets=EXISTING_SECRETS)
+TLS_CERT_MANAGER = overrides(tls__mode="certManager")
+GIVEN_ISSUER = {"name": "mesh-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+# name -> (value set, overrides, --api-versions): each example once, both modes, both service modes.
+TLS_CASES: dict[str, tuple[str, Overrides, tuple[str, ...]]] = {
+    "existing-secret": ("defaults", TLS_EXISTING, ()),
+    "existing-secret-tls-only": ("cpu-embedded", TLS_EXISTING + overrides(tls__serviceMode="tls"), ()),
+    "cert-manager": ("gpu-sidecar", TLS_CERT_MANAGER, (CERT_MANAGER_API,)),
+    "cert-manager-given-issuer": ("external-triton", TLS_CERT_MANAGER + overrides(
+        tls__certManager__issuerRef=GIVEN_ISSUER), (CERT_MANAGER_API,)),
+}
+
+
+def render_tls(helm: str, case: str, kube: str = NEWEST) -> list[dict[str, Any]]:
+    value_set, extra, api_versions = TLS_CASES[case]
+    return render(helm, value_set, extra, kube, api_versions)
+
+
 def objects(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == kind}
 
@@ -149,13 +174,14 @@ def validation_errors(docs: list[dict[str, Any]], kube: str) -> list[str]:
     """Every object against the Kubernetes schemas of that version; unknown fields are errors.
 
     kubernetes-validate knows only built-in kinds: the Prometheus Operator's
-    (CRDs) are checked against CRD_SHAPES instead, as strictly.
+    and cert-manager's (CRDs) are checked against CRD_SHAPES instead, as strictly.
     """
     errors = []
     for doc in docs:
         where = f"{doc['kind']}/{doc['metadata']['name']}"
-        if doc.get("apiVersion") == OPERATOR_API and doc.get("kind") in CRD_SHAPES:
-            errors += [f"{where}: {error}" for error in shape_errors(doc, CRD_SHAPES[doc["kind"]])]
+        crd = CRD_SHAPES.get((doc.get("apiVersion"), doc.get("kind")))
+        if crd is not None:
+            errors += [f"{where}: {error}" for error in shape_errors(doc, crd)]
             continue
         try:
             kubernetes_validate.validate(doc, kube, strict=True)
@@ -182,11 +208,12 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
             and all(expression(e) for e in selector.get("matchExpressions", [])))
 
 
-# ------------------------------------------- the Prometheus Operator's CRDs
+# ------------------------------- the Prometheus Operator's and cert-manager's CRDs
 #
-# Structural shapes of PodMonitor and PrometheusRule (monitoring.coreos.com/v1):
-# the fields of the operator's CRDs that the chart may use, each with its type.
-# A field not listed is an error, as with kubernetes-validate --strict.
+# Structural shapes of PodMonitor and PrometheusRule (monitoring.coreos.com/v1)
+# and of Certificate and Issuer (cert-manager.io/v1): the fields of their CRDs
+# that the chart may use, each with its type. A field not listed is an error,
+# as with kubernetes-validate --strict.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,21 +258,50 @@ POD_METRICS_ENDPOINT = Obj({
 })
 RULE = Obj({"alert": str, "record": str, "expr": (str, int), "for": DURATION, "keep_firing_for": DURATION,
             "labels": MapOf(str), "annotations": MapOf(str)}, required=("expr",))
-CRD_SHAPES: dict[str, Obj] = {
-    kind: Obj({"apiVersion": frozenset({OPERATOR_API}), "kind": frozenset({kind}), "metadata": METADATA,
-               "spec": spec}, required=("apiVersion", "kind", "metadata", "spec"))
-    for kind, spec in {
-        "PodMonitor": Obj({
+# cert-manager: Go durations (metav1.Duration) and the key usages its CRD enumerates.
+GO_DURATION = re.compile(r"([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+")
+KEY_USAGES = frozenset({
+    "signing", "digital signature", "content commitment", "key encipherment", "key agreement", "data encipherment",
+    "cert sign", "crl sign", "encipher only", "decipher only", "any", "server auth", "client auth", "code signing",
+    "email protection", "s/mime", "ipsec end system", "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing",
+    "microsoft sgc", "netscape sgc",
+})
+ISSUER_REF = Obj({"name": DNS_SUBDOMAIN, "kind": str, "group": str}, required=("name",))
+CERTIFICATE_SPEC = Obj({
+    "secretName": DNS_SUBDOMAIN, "commonName": str, "dnsNames": ListOf(str), "uris": ListOf(str),
+    "ipAddresses": ListOf(str), "emailAddresses": ListOf(str), "duration": GO_DURATION, "renewBefore": GO_DURATION,
+    "renewBeforePercentage": int, "usages": ListOf(KEY_USAGES), "isCA": bool, "issuerRef": ISSUER_REF,
+    "privateKey": Obj({"algorithm": frozenset({"RSA", "ECDSA", "Ed25519"}), "encoding": frozenset({"PKCS1", "PKCS8"}),
+                       "size": int, "rotationPolicy": frozenset({"Never", "Always"})}),
+    "subject": Obj({key: ListOf(str) for key in ("organizations", "organizationalUnits", "countries", "localities",
+                                                 "provinces", "streetAddresses", "postalCodes")}),
+    "secretTemplate": Obj({"labels": MapOf(LABEL_VALUE, LABEL_KEY), "annotations": MapOf(str)}),
+    "revisionHistoryLimit": int, "encodeUsagesInRequest": bool,
+}, required=("secretName", "issuerRef"))
+CRL = {"crlDistributionPoints": ListOf(str)}
+# An Issuer is exactly one kind of issuer: each alternative admits only its own field.
+ISSUER_SPEC = (
+    Obj({"selfSigned": Obj(CRL)}, required=("selfSigned",)),
+    Obj({"ca": Obj({"secretName": DNS_SUBDOMAIN, **CRL, "ocspServers": ListOf(str),
+                    "issuingCertificateURLs": ListOf(str)}, required=("secretName",))}, required=("ca",)),
+)
+CRD_SHAPES: dict[tuple[str, str], Obj] = {
+    (api, kind): Obj({"apiVersion": frozenset({api}), "kind": frozenset({kind}), "metadata": METADATA,
+                      "spec": spec}, required=("apiVersion", "kind", "metadata", "spec"))
+    for api, kind, spec in (
+        (OPERATOR_API, "PodMonitor", Obj({
             "selector": LABEL_SELECTOR,
             "namespaceSelector": Obj({"any": bool, "matchNames": ListOf(str)}),
             "podMetricsEndpoints": ListOf(POD_METRICS_ENDPOINT, min_items=1),
             "jobLabel": str, "podTargetLabels": ListOf(str), "sampleLimit": int,
-        }, required=("selector", "podMetricsEndpoints")),
-        "PrometheusRule": Obj({"groups": ListOf(Obj({
+        }, required=("selector", "podMetricsEndpoints"))),
+        (OPERATOR_API, "PrometheusRule", Obj({"groups": ListOf(Obj({
             "name": str, "interval": DURATION, "limit": int, "query_offset": DURATION,
             "partial_response_strategy": str, "rules": ListOf(RULE),
-        }, required=("name", "rules")), min_items=1)}, required=("groups",)),
-    }.items()
+        }, required=("name", "rules")), min_items=1)}, required=("groups",))),
+        (CERT_MANAGER_API, "Certificate", CERTIFICATE_SPEC),
+        (CERT_MANAGER_API, "Issuer", ISSUER_SPEC),
+    )
 }
 
 
@@ -306,6 +362,15 @@ def test_lint_strict(helm: str, value_set: str) -> None:
     assert "0 chart(s) failed" in done.stdout
 
 
+def test_lint_strict_with_tls(helm: str) -> None:
+    # certManager needs the CRDs, which `helm lint` cannot be told of: existingSecret stands for both.
+    command = [str(helm_binary(helm)), "lint", "--strict", str(CHART), "--kube-version", NEWEST]
+    for key, value in TLS_EXISTING:
+        command += ["--set-json", f"{key}={value}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("kube", KUBE_VERSIONS)
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_every_object_validates_strictly(helm: str, value_set: str, kube: str) -> None:
@@ -345,9 +410,17 @@ def test_crd_shapes_reject_misspelt_and_mistyped_fields() -> None:
     assert errors[2].startswith(f"PrometheusRule/{RELEASE}: .spec.groups[0].rules[0].for: '2 minutes' does not match")
 
 
-@pytest.mark.parametrize("example", EXAMPLES)
+# name -> (value set, overrides, --api-versions): the examples, and the certManager objects.
+GOLDEN_CASES: dict[str, tuple[str, Overrides, tuple[str, ...]]] = {
+    **{example: (example, (), ()) for example in EXAMPLES},
+    "tls-cert-manager": ("defaults", TLS_CERT_MANAGER, (CERT_MANAGER_API,)),
+}
+
+
+@pytest.mark.parametrize("example", GOLDEN_CASES)
 def test_golden_render(helm: str, example: str) -> None:
-    rendered = render_text(helm, example)
+    value_set, extra, api_versions = GOLDEN_CASES[example]
+    rendered = render_text(helm, value_set, extra, api_versions=api_versions)
     golden = GOLDEN / f"{example}.yaml"
     if os.environ.get("UPDATE_GOLDEN") == "1":
         golden.parent.mkdir(parents=True, exist_ok=True)
@@ -356,7 +429,7 @@ def test_golden_render(helm: str, example: str) -> None:
     diff = "".join(difflib.unified_diff(expected.splitlines(True), rendered.splitlines(True),
                                         str(golden.relative_to(ROOT)), f"{helm} template", n=2))
     if diff:
-        pytest.fail(f"the render of examples/{example}.yaml changed; if that is meant, regenerate with "
+        pytest.fail(f"the render of {example} ({value_set} {extra}) changed; if that is meant, regenerate with "
                     f"UPDATE_GOLDEN=1 .venv/bin/pytest -q tests/unit/test_chart.py -k golden\n{diff[:6000]}")
 
 
@@ -402,6 +475,15 @@ BAD_VALUES = {
     "scrape-interval-not-a-duration": (overrides(monitoring__podMonitor__interval="15 seconds"),
                                        "monitoring.podMonitor.interval"),
     "misspelt-monitoring-key": (overrides(monitoring__podMonitor__enable=True), "enable"),
+    "unknown-tls-mode": (overrides(tls__mode="spiffe"), "tls.mode"),
+    "unknown-tls-service-mode": (overrides(tls__serviceMode="off"), "tls.serviceMode"),
+    "existing-secret-without-names": (overrides(tls__mode="existingSecret"), "tls.existingSecrets.router"),
+    "existing-secret-without-the-probers": (overrides(tls__mode="existingSecret", tls__existingSecrets={
+        "router": "mesh-router-tls", "worker": "mesh-worker-tls"}), "tls.existingSecrets.prober"),
+    # Rendered without --api-versions: a cluster without cert-manager.
+    "cert-manager-without-its-crds": (TLS_CERT_MANAGER, "tls.mode"),
+    "certificate-duration-in-days": (overrides(tls__certManager__duration="90d"), "tls.certManager.duration"),
+    "misspelt-tls-key": (overrides(tls__existingSecret={"router": "mesh-router-tls"}), "existingSecret"),
 }
 
 
@@ -425,6 +507,8 @@ def test_pod_monitor_needs_the_metrics_it_scrapes(helm: str) -> None:
 def test_crd_refusal_says_what_to_install(helm: str) -> None:
     done = run_template(helm, "defaults", overrides(monitoring__podMonitor__enabled=True))
     assert "Prometheus Operator" in done.stderr and OPERATOR_API in done.stderr, done.stderr
+    done = run_template(helm, "defaults", TLS_CERT_MANAGER)
+    assert "install cert-manager" in done.stderr and CERT_MANAGER_API in done.stderr, done.stderr
 
 
 def test_drain_budget_at_its_limit_renders(helm: str) -> None:
@@ -772,26 +856,204 @@ def test_grafana_dashboard_is_a_config_map_for_the_sidecar(helm: str) -> None:
     assert validation_errors(elsewhere, NEWEST) == []
 
 
+# -------------------------------------------------------------------- TLS
+
+
+def tls_volume(spec: dict[str, Any], container: dict[str, Any]) -> dict[str, Any]:
+    """The volume mounted at TLS_DIR in the container: exactly one mount, read-only, the whole volume."""
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"].startswith(TLS_DIR)]
+    assert mount["mountPath"] == TLS_DIR and mount.get("readOnly") is True, mount
+    # A subPath mount is a copy made at start: renewed certificates would never reach the pod.
+    assert "subPath" not in mount and "subPathExpr" not in mount, mount
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
+def leaf_certificates(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The components' Certificates by component (their identity), the CA's left out."""
+    found = {}
+    for certificate in objects(docs, "Certificate").values():
+        if certificate["spec"].get("isCA"):
+            continue
+        (uri,) = certificate["spec"]["uris"]
+        found[uri.removeprefix("spiffe://tokenmesh/")] = certificate
+    return found
+
+
+def test_tls_is_off_by_default(helm: str) -> None:
+    for value_set in VALUE_SETS:
+        docs = render(helm, value_set)
+        assert not {"Certificate", "Issuer"} & {doc["kind"] for doc in docs}
+        for doc in objects(docs, "Deployment").values():
+            spec = doc["spec"]["template"]["spec"]
+            assert not [v for v in spec["volumes"] if "secret" in v], doc["metadata"]["name"]
+            for container in containers(spec):
+                assert not [a for a in container.get("args", []) if a.startswith("--tls")], container["args"]
+                assert not [m for m in container["volumeMounts"] if m["mountPath"].startswith(TLS_DIR)]
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+@pytest.mark.parametrize("case", TLS_CASES)
+def test_tls_objects_validate(helm: str, case: str, kube: str) -> None:
+    docs = render_tls(helm, case, kube)
+    kinds = [doc["kind"] for doc in docs]
+    own_ca = case == "cert-manager"
+    expected = {"existing-secret": 0, "existing-secret-tls-only": 0, "cert-manager": 4,
+                "cert-manager-given-issuer": 3}[case]
+    assert (kinds.count("Certificate"), kinds.count("Issuer")) == (expected, 2 if own_ca else 0)
+    assert validation_errors(docs, kube) == []
+
+
+@pytest.mark.parametrize("case", TLS_CASES)
+def test_every_tokenmesh_container_gets_its_own_certificate_directory(helm: str, case: str) -> None:
+    docs = render_tls(helm, case)
+    _, extra, _ = TLS_CASES[case]
+    service_mode = "tls" if ("tls.serviceMode", '"tls"') in extra else "mtls"
+    certificates = leaf_certificates(docs)
+    secrets = {}
+    for component in COMPONENTS:
+        spec = pod_spec(docs, component)
+        (container,) = [c for c in spec["containers"] if c["name"] == component]
+        assert arg(container, "--tls-mode") == service_mode
+        assert (arg(container, "--tls-cert"), arg(container, "--tls-key"), arg(container, "--tls-ca")) == (
+            f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt")
+        # Routers and the prober reach pods by IP: they verify the name every certificate carries.
+        names = [a for a in container["args"] if a.startswith("--tls-server-name")]
+        assert names == ([] if component == "worker" else [f"--tls-server-name={TLS_SERVER_NAME}"])
+        volume = tls_volume(spec, container)
+        assert set(volume) == {"name", "secret"}, volume
+        assert "items" not in volume["secret"], "the whole Secret: tls.crt, tls.key and ca.crt"
+        secrets[component] = volume["secret"]["secretName"]
+        if certificates:
+            assert secrets[component] == certificates[component]["spec"]["secretName"]
+        # No other container (the Triton sidecar) sees the key; the probes stay plaintext gRPC.
+        for other in containers(spec):
+            if other is not container:
+                assert volume["name"] not in [m["name"] for m in other["volumeMounts"]], other["name"]
+        assert container["readinessProbe"]["grpc"]["port"] == int(arg(container, "--health-port"))
+    if not certificates:
+        assert secrets == EXISTING_SECRETS
+    assert len(set(secrets.values())) == 3, "one identity per component"
+
+
+def test_cert_manager_certificates_carry_identity_and_names(helm: str) -> None:
+    docs = render_tls(helm, "cert-manager")
+    services = objects(docs, "Service")
+    certificates = leaf_certificates(docs)
+    assert sorted(certificates) == sorted(COMPONENTS)
+    for component, certificate in certificates.items():
+        spec = certificate["spec"]
+        assert spec["uris"] == [f"spiffe://tokenmesh/{component}"]
+        assert spec["usages"] == ["server auth", "client auth", "digital signature", "key encipherment"]
+        assert (spec["duration"], spec["renewBefore"]) == ("2160h", "720h")
+        assert spec["privateKey"]["rotationPolicy"] == "Always"
+        assert TLS_SERVER_NAME in spec["dnsNames"]
+        # And the names of the component's Services, short to fully qualified.
+        labels = deployment(docs, component)["spec"]["template"]["metadata"]["labels"]
+        own = [name for name, service in services.items() if labels_match(service["spec"]["selector"], labels)]
+        assert len(own) == {"router": 2, "worker": 1, "prober": 0}[component]
+        assert sorted(spec["dnsNames"]) == sorted([TLS_SERVER_NAME, *(
+            f"{name}{suffix}" for name in own
+            for suffix in ("", f".{NAMESPACE}", f".{NAMESPACE}.svc", f".{NAMESPACE}.svc.cluster.local"))])
+
+    # The chart's own CA, cert-manager's bootstrap: self-signed Issuer -> CA Certificate -> CA Issuer.
+    issuers = objects(docs, "Issuer")
+    ((ca_name, ca),) = [(name, c) for name, c in objects(docs, "Certificate").items() if c["spec"].get("isCA")]
+    assert ca_name == f"{RELEASE}-ca" and ca["spec"]["isCA"] is True
+    assert ca["spec"]["privateKey"]["rotationPolicy"] == "Never", "a renewed CA keeps what it signed trusted"
+    assert ca["spec"]["duration"] == "87600h"
+    self_signed = issuers[ca["spec"]["issuerRef"]["name"]]
+    assert ca["spec"]["issuerRef"]["kind"] == "Issuer" and self_signed["spec"] == {"selfSigned": {}}
+    for certificate in certificates.values():
+        ref = certificate["spec"]["issuerRef"]
+        assert (ref["kind"], ref["group"]) == ("Issuer", "cert-manager.io")
+        assert issuers[ref["name"]]["spec"] == {"ca": {"secretName": ca["spec"]["secretName"]}}
+    assert len(issuers) == 2
+
+
+def test_cert_manager_values_reach_the_certificates(helm: str) -> None:
+    docs = render_tls(helm, "cert-manager-given-issuer")
+    assert objects(docs, "Issuer") == {}, "the given issuer replaces the chart's CA"
+    for certificate in objects(docs, "Certificate").values():
+        assert certificate["spec"]["issuerRef"] == GIVEN_ISSUER and not certificate["spec"].get("isCA")
+    values = overrides(tls__certManager__duration="720h", tls__certManager__renewBefore="240h",
+                       tls__certManager__ca__duration="43800h", tls__certManager__issuerRef={"name": ""},
+                       discovery__clusterDomain="mesh.example")
+    docs = render(helm, "defaults", TLS_CERT_MANAGER + values, api_versions=(CERT_MANAGER_API,))
+    for certificate in objects(docs, "Certificate").values():
+        spec = certificate["spec"]
+        if spec.get("isCA"):
+            assert spec["duration"] == "43800h"
+            continue
+        assert (spec["duration"], spec["renewBefore"]) == ("720h", "240h")
+        assert spec["issuerRef"] == {"name": f"{RELEASE}-ca", "kind": "Issuer", "group": "cert-manager.io"}
+        assert not [name for name in spec["dnsNames"] if name.endswith("cluster.local")]
+    router = leaf_certificates(docs)["router"]["spec"]["dnsNames"]
+    assert f"{RELEASE}-router.{NAMESPACE}.svc.mesh.example" in router
+
+
+def test_crd_shapes_hold_certificates_and_issuers_too() -> None:
+    docs = render_tls("helm4", "cert-manager")
+    objects(docs, "Certificate")[f"{RELEASE}-router"]["spec"]["secretNme"] = "typo"
+    objects(docs, "Certificate")[f"{RELEASE}-worker"]["spec"]["usages"].append("server-auth")
+    objects(docs, "Issuer")[f"{RELEASE}-ca"]["spec"]["selfSigned"] = {}
+    errors = validation_errors(docs, NEWEST)
+    assert sorted(errors) == [
+        f"Certificate/{RELEASE}-router: .spec.secretNme: 'secretNme' was unexpected",
+        f"Certificate/{RELEASE}-worker: .spec.usages[4]: 'server-auth' is not one of {sorted(KEY_USAGES)}",
+        f"Issuer/{RELEASE}-ca: .spec: {objects(docs, 'Issuer')[f'{RELEASE}-ca']['spec']!r} fits no shape",
+    ], errors
+
+
+def test_config_check_reads_the_certificate_files() -> None:
+    # Why the args check points the paths at real files: the mount paths alone fail here.
+    router = pod_spec(render_tls("helm4", "existing-secret"), "router")["containers"][0]
+    done = subprocess.run([str(BIN / "tokenmesh"), *router["args"], "--check-config"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and f"--tls-cert {TLS_DIR}/tls.crt" in done.stderr, done.stderr
+
+
 # ------------------------------------------- the services accept the args
 
 
-CONFIG_CASES = {
-    **{value_set: (value_set, ()) for value_set in VALUE_SETS},
+CONFIG_CASES: dict[str, tuple[str, Overrides, tuple[str, ...]]] = {
+    **{value_set: (value_set, (), ()) for value_set in VALUE_SETS},
     "metrics-tenants-json-logs": ("defaults", overrides(metrics__port=9100, metrics__tenants=["acme", "globex"],
-                                                        logFormat="json")),
-    "metrics-off": ("gpu-sidecar", overrides(metrics__enabled=False)),
+                                                        logFormat="json"), ()),
+    "metrics-off": ("gpu-sidecar", overrides(metrics__enabled=False), ()),
+    **{f"tls-{name}": case for name, case in TLS_CASES.items()},
 }
 
 
+@pytest.fixture(scope="module")
+def tls_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Per component, a folder shaped like its mounted kubernetes.io/tls Secret (tls.crt, tls.key, ca.crt)."""
+    base = tmp_path_factory.mktemp("tls")
+    done = subprocess.run([str(BIN / "tokenmesh"), "certs", "--out", str(base / "made"), "--host", TLS_SERVER_NAME],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    dirs = {}
+    for component in COMPONENTS:
+        folder = dirs[component] = base / component
+        folder.mkdir()
+        for made, mounted in ((f"{component}.crt", "tls.crt"), (f"{component}.key", "tls.key"), ("ca.crt", "ca.crt")):
+            (folder / mounted).write_bytes((base / "made" / made).read_bytes())
+    return dirs
+
+
 @pytest.mark.parametrize("case", CONFIG_CASES)
-def test_container_args_pass_the_real_config_check(case: str) -> None:
+def test_container_args_pass_the_real_config_check(case: str, tls_dirs: dict[str, Path]) -> None:
     # The renders of both helms are byte-identical (test_golden_render), so one suffices.
-    value_set, extra = CONFIG_CASES[case]
-    for container in tokenmesh_containers(render("helm4", value_set, extra)):
+    value_set, extra, api_versions = CONFIG_CASES[case]
+    for container in tokenmesh_containers(render("helm4", value_set, extra, api_versions=api_versions)):
         env = {**os.environ, **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}
-        done = subprocess.run([str(BIN / "tokenmesh"), *container["args"], "--check-config"],
+        # --check-config reads the certificate files: the mounted Secret's paths point at real ones here.
+        args = [a.replace(f"{TLS_DIR}/", f"{tls_dirs[container['args'][0]]}/") for a in container["args"]]
+        done = subprocess.run([str(BIN / "tokenmesh"), *args, "--check-config"],
                               capture_output=True, text=True, env=env, timeout=60, check=False)
-        assert done.returncode == 0, f"{container['name']} {container['args']}:\n{done.stderr}"
+        assert done.returncode == 0, f"{container['name']} {args}:\n{done.stderr}"
+        if case.startswith("tls-"):
+            assert f"tls_cert = '{tls_dirs[args[0]]}/tls.crt'" in done.stdout, done.stdout
 
 
 # ------------------------------------------------------ schema, notes, docs
@@ -824,6 +1086,24 @@ def test_notes_tell_the_grpcurl_command() -> None:
     notes = done.stdout.split("NOTES:", 1)[1]
     assert f"kubectl -n {NAMESPACE} port-forward svc/{RELEASE}-router 50051:50051" in notes
     assert "grpcurl -plaintext -d" in notes and "127.0.0.1:50051 tokenmesh.v1.Inference/Generate" in notes
+
+
+@pytest.mark.parametrize("service_mode", ["mtls", "tls"])
+def test_notes_tell_the_tls_grpcurl_command(service_mode: str) -> None:
+    command = [str(helm_binary("helm4")), "install", RELEASE, str(CHART), "--namespace", NAMESPACE,
+               "--dry-run=client", "--set-json", f'tls.serviceMode="{service_mode}"']
+    for key, value in TLS_EXISTING:
+        command += ["--set-json", f"{key}={value}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False,
+                          env={**os.environ, "KUBECONFIG": os.devnull})
+    assert done.returncode == 0, done.stderr
+    notes = done.stdout.split("NOTES:", 1)[1]
+    assert "-plaintext" not in notes
+    assert f"get secret {EXISTING_SECRETS['router']} -o jsonpath='{{.data.ca\\.crt}}'" in notes
+    client = " -cert client.crt -key client.key" if service_mode == "mtls" else ""
+    flags = f"grpcurl -cacert ca.crt{client} -authority {TLS_SERVER_NAME} \\\n"
+    assert notes.count(flags) == 2, notes
+    assert "127.0.0.1:50051 tokenmesh.v1.Inference/Generate" in notes
 
 
 def leaf_paths(node: Any, prefix: str = "") -> list[str]:

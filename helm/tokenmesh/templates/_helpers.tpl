@@ -180,3 +180,79 @@ clash, and never repeat a key): (list $ extra-labels).
 {{- $labels := include "tokenmesh.labels" (list (index . 0) "mesh") | fromYaml -}}
 {{- toYaml (merge (deepCopy (default (dict) (index . 1))) $labels) -}}
 {{- end -}}
+
+{{/*
+TLS (tls.mode): every component mounts its own kubernetes.io/tls Secret as a
+directory (never subPath: a subPath mount would not see renewed files).
+*/}}
+{{- define "tokenmesh.tls.enabled" -}}
+{{- if ne .Values.tls.mode "disabled" }}true{{ end -}}
+{{- end -}}
+
+{{/*
+The DNS SAN every certificate of the release carries, and the name routers
+and the prober verify (--tls-server-name): they reach pods by IP.
+*/}}
+{{- define "tokenmesh.tls.serverName" -}}
+{{- printf "%s-mesh.%s.svc" (include "tokenmesh.fullname" . | trunc 58 | trimSuffix "-") .Release.Namespace -}}
+{{- end -}}
+
+{{/* The Secret of a component's certificate: (list $ "router"). */}}
+{{- define "tokenmesh.tls.secretName" -}}
+{{- $root := index . 0 -}}
+{{- $component := index . 1 -}}
+{{- if eq $root.Values.tls.mode "existingSecret" -}}
+{{- get $root.Values.tls.existingSecrets $component -}}
+{{- else -}}
+{{- printf "%s-tls" (include "tokenmesh.componentName" (list $root $component)) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tokenmesh.tls.dir" -}}/etc/tokenmesh/tls{{- end -}}
+
+{{/* A tokenmesh container's --tls-* args, one per line: (list $ "router"). */}}
+{{- define "tokenmesh.tls.args" -}}
+{{- $root := index . 0 -}}
+{{- if include "tokenmesh.tls.enabled" $root -}}
+{{- $dir := include "tokenmesh.tls.dir" $root }}
+- --tls-mode={{ $root.Values.tls.serviceMode }}
+- --tls-cert={{ $dir }}/tls.crt
+- --tls-key={{ $dir }}/tls.key
+- --tls-ca={{ $dir }}/ca.crt
+{{- if has (index . 1) (list "router" "prober") }}
+- --tls-server-name={{ include "tokenmesh.tls.serverName" $root }}
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{- define "tokenmesh.tls.volumeMount" -}}
+{{- if include "tokenmesh.tls.enabled" . }}
+- name: tls
+  mountPath: {{ include "tokenmesh.tls.dir" . }}
+  readOnly: true
+{{- end -}}
+{{- end -}}
+
+{{/* The component's Secret as a volume: (list $ "router"). */}}
+{{- define "tokenmesh.tls.volume" -}}
+{{- $root := index . 0 -}}
+{{- if include "tokenmesh.tls.enabled" $root }}
+# The whole Secret as a directory: renewed certificates reach the services,
+# which re-read the files.
+- name: tls
+  secret:
+    secretName: {{ include "tokenmesh.tls.secretName" . }}
+    defaultMode: 0440
+{{- end -}}
+{{- end -}}
+
+{{/* "name", "name.ns", "name.ns.svc" and "name.ns.svc.domain" of a Service: (list $ service-name). */}}
+{{- define "tokenmesh.serviceDNSNames" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $ns := $root.Release.Namespace -}}
+- {{ $name }}
+- {{ $name }}.{{ $ns }}
+- {{ $name }}.{{ $ns }}.svc
+- {{ $name }}.{{ $ns }}.svc.{{ $root.Values.discovery.clusterDomain }}
+{{- end -}}
