@@ -55,6 +55,7 @@ RUN --mount=type=secret,id=pip_ca,required=false \
 
 COPY README.md ./
 COPY services ./services
+COPY gateway ./gateway
 RUN --mount=type=secret,id=pip_ca,required=false \
     if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
  && /opt/tokenmesh/venv/bin/pip install --no-cache-dir --no-deps . \
@@ -97,9 +98,9 @@ ENV PATH=/opt/tokenmesh/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/b
 USER 10001:10001
 WORKDIR /tmp
 
-# router, worker, prober defaults (`tokenmesh up` listens on 50051 only; its
-# workers and prober take free ports).
-EXPOSE 50051 50061 50071
+# gateway, router, worker, prober defaults (`tokenmesh up` listens on 8000 and
+# 50051; its workers and prober take free ports).
+EXPOSE 8000 50051 50061 50071
 
 ENTRYPOINT ["tokenmesh"]
 CMD ["up", "--host", "0.0.0.0"]

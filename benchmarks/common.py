@@ -61,7 +61,10 @@ def tree_cpu_seconds(pid: int) -> float:
 
 @contextlib.contextmanager
 def running_mesh(config: MeshConfig, routable: int | None = None) -> Iterator[Mesh]:
-    """The embedded mesh, logging to a temporary folder, until every worker is routable; stopped after."""
+    """The embedded mesh, logging to a temporary folder, until every worker is routable; stopped after.
+
+    With config.tls_dir the mesh runs mutual TLS, and the readiness check presents the folder's client certificate.
+    """
     with tempfile.TemporaryDirectory() as logs:
         mesh = Mesh(dataclasses.replace(config, log_dir=config.log_dir or logs))
         mesh.start()
@@ -72,10 +75,19 @@ def running_mesh(config: MeshConfig, routable: int | None = None) -> Iterator[Me
             mesh.stop()
 
 
+def client_credentials(tls_dir: str) -> grpc.ChannelCredentials:
+    """The `client` identity of a `tokenmesh certs` folder."""
+    folder = Path(tls_dir)
+    return grpc.ssl_channel_credentials((folder / "ca.crt").read_bytes(), (folder / "client.key").read_bytes(),
+                                        (folder / "client.crt").read_bytes())
+
+
 def wait_routable(mesh: Mesh, count: int, timeout: float = 60) -> None:
     """Until the router has count workers with weight > 0."""
     assert mesh.router is not None
-    with grpc.insecure_channel(mesh.router.address) as channel:
+    tls_dir = mesh.config.tls_dir
+    with (grpc.secure_channel(mesh.router.address, client_credentials(tls_dir)) if tls_dir
+          else grpc.insecure_channel(mesh.router.address)) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         deadline = time.monotonic() + timeout
         while True:

@@ -31,20 +31,22 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from common import free_port, running_mesh, start_relay, synthetic_repository, tree_cpu_seconds
+import grpc
+from common import client_credentials, free_port, running_mesh, start_relay, synthetic_repository, tree_cpu_seconds
 
 from tokenmesh.bench.metrics import RequestResult, summarize
 from tokenmesh.bench.prompts import synthetic
 from tokenmesh.bench.runner import Load, drive
 from tokenmesh.bench.targets import MeshTarget
+from tokenmesh.certs import make_dev_certs
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.process import cpu_seconds, stop_process
 
 
-async def measure(addr: str, hop_pid: int, args: argparse.Namespace,
-                  workers: list[int]) -> tuple[list[RequestResult], float, float]:
+async def measure(addr: str, hop_pid: int, args: argparse.Namespace, workers: list[int],
+                  credentials: grpc.ChannelCredentials | None = None) -> tuple[list[RequestResult], float, float]:
     """Results, the hop's CPU seconds and the workers' (not their Tritons') for one closed-loop run."""
-    target = MeshTarget(addr, ignore_eos=True)
+    target = MeshTarget(addr, ignore_eos=True, credentials=credentials)
     await target.open()
     try:
         prompts = synthetic(args.requests, 16, args.tokens, seed=1)
@@ -67,6 +69,9 @@ def main() -> None:
     parser.add_argument("--tokens-per-s", type=float, default=1000.0, help="per stream (default 1000)")
     parser.add_argument("--responses-per-s", type=float, default=200.0,
                         help="engine responses (messages) per second per stream (default 200: 5 tokens each)")
+    parser.add_argument("--tls", action="store_true",
+                        help="also measure a second mesh with mutual TLS on every hop (tokenmesh certs identities), "
+                             "in the same alternation: the cost of mTLS")
     parser.add_argument("--telemetry", action="store_true",
                         help="also measure a second mesh with Prometheus metrics on (scraped every 5 s) and "
                              "OpenTelemetry traces exported to an OTLP receiver in this process, in the same "
@@ -78,7 +83,8 @@ def main() -> None:
     source = start_relay("source", "--port", str(source_port), "--tokens-per-s", str(args.tokens_per_s),
                          "--chunk-tokens", str(chunk_tokens))
     relay = start_relay("relay", "--port", str(relay_port), "--upstream", f"127.0.0.1:{source_port}")
-    names = ["relay", "mesh", *(["telemetry"] if args.telemetry else [])]
+    names = ["relay", "mesh", *(["telemetry"] if args.telemetry else []), *(["mtls"] if args.tls else [])]
+    credentials: dict[str, grpc.ChannelCredentials] = {}
     runs: dict[str, list[tuple[list[RequestResult], float, float]]] = {name: [] for name in names}
     folder = tempfile.TemporaryDirectory()
     try:
@@ -98,11 +104,17 @@ def main() -> None:
                 hops["telemetry"] = (metered.router.address, metered.router.proc.pid,
                                      [w.proc.pid for w in metered.workers])
                 stack.enter_context(scraping(metered))
+            if args.tls:
+                tls_dir = str(make_dev_certs(Path(folder.name) / "certs"))
+                secured = stack.enter_context(running_mesh(dataclasses.replace(config, tls_dir=tls_dir)))
+                assert secured.router is not None
+                hops["mtls"] = (secured.router.address, secured.router.proc.pid, [w.proc.pid for w in secured.workers])
+                credentials["mtls"] = client_credentials(tls_dir)
             for round_ in range(args.rounds):
                 order = names[round_ % len(names):] + names[:round_ % len(names)]
                 for name in order:
                     addr, pid, workers = hops[name]
-                    runs[name].append(asyncio.run(measure(addr, pid, args, workers)))
+                    runs[name].append(asyncio.run(measure(addr, pid, args, workers, credentials.get(name))))
                     print(f"  {name}: round {round_ + 1} done", flush=True)
     finally:
         for proc in (relay, source):
@@ -130,6 +142,9 @@ def main() -> None:
               f"{sum(not r.ok for r in results):>12} {chunk['mean'] if chunk else 0:13.2f}")
     print(f"mesh / relay throughput: {rates['mesh'] / rates['relay']:.3f} (target >= 0.97); "
           "router us/token target <= 8")
+    if args.tls:
+        print(f"mtls / plaintext throughput: {rates['mtls'] / rates['mesh']:.3f} (target >= 0.9); router CPU per "
+              f"token: {hop_cost['mtls'] / hop_cost['mesh'] - 1:+.1%}")
     if args.telemetry:
         print(f"telemetry on / off throughput: {rates['telemetry'] / rates['mesh']:.3f} (target >= 0.95); router "
               f"CPU per token: {hop_cost['telemetry'] / hop_cost['mesh'] - 1:+.1%} (target <= +10%); "

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,6 +19,8 @@ import uvloop
 from tokenmesh.bench.command import BenchError
 from tokenmesh.config import ConfigError, add_arguments, from_namespace
 from tokenmesh.errors import MeshError, from_rpc_error
+from tokenmesh.logs import FORMATS as LOG_FORMATS
+from tokenmesh.logs import configure as configure_logs
 
 DEFAULT_ADDR = "127.0.0.1:50051"
 
@@ -48,10 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("TOKENMESH_LOG_LEVEL", "INFO"),
         help="DEBUG, INFO, WARNING or ERROR (env TOKENMESH_LOG_LEVEL; default INFO)",
     )
+    parser.add_argument(
+        "--log-format", choices=LOG_FORMATS, default=os.environ.get("TOKENMESH_LOG_FORMAT", "text"),
+        help="text, or json: one object per line with request_id, trace_id and span_id where known "
+             "(env TOKENMESH_LOG_FORMAT; default text)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", help="start the embedded mesh: N workers with Triton, a prober, a router")
     up.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    up.add_argument("--tls", action="store_true",
+                    help="mutual TLS on every hop, from a development CA made for this run (tokenmesh certs); "
+                         "prints the folder with ca.crt, client.crt and client.key for grpcurl")
+    up.add_argument("--tls-dir", default="",
+                    help="with --tls: keep the certificates in this folder (made there unless ca.crt exists); "
+                         "default: a temporary folder removed at exit")
     up.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
     up.add_argument("--host", default="127.0.0.1", help="address every service listens on (default 127.0.0.1)")
     up.add_argument("--threads", type=int, default=0, help="llama.cpp threads per worker (default: cores / workers)")
@@ -65,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="niceness (0-19) of every Triton and its model (default: 19 for smollm2, so that llama.cpp "
                          "yields the cores at once to the router and workers relaying its tokens; 0 for synthetic, "
                          "whose per-token work is like theirs)")
+    up.add_argument("--gateway-port", type=int, default=8000,
+                    help="port of the OpenAI-compatible HTTP gateway (default 8000; 0 = no gateway)")
     up.add_argument("--log-dir", default="", help="write each service's log to LOG_DIR/<name>.log (default: stderr)")
 
     gen = sub.add_parser("generate", help="stream a generation to stdout")
@@ -92,6 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "sigma^2 shows how evenly streams are served).")
     add_bench_arguments(bench, os.environ.get("TOKENMESH_ADDR", DEFAULT_ADDR))
 
+    certs = sub.add_parser("certs", help="make a development CA and a certificate per service (mTLS)",
+                           description="Make ca.crt/ca.key and <role>.crt/<role>.key for router, worker, prober, "
+                                       "gateway and client, each with its identity spiffe://tokenmesh/<role> as a "
+                                       "URI SAN and the given host names as DNS or IP SANs. For development and "
+                                       "tests; production takes certificates from its own CA (e.g. cert-manager).")
+    certs.add_argument("--out", required=True, help="folder to write them to (created if missing)")
+    certs.add_argument("--host", action="append", default=[],
+                       help="a DNS name or IP address the services are reached by (repeatable; default: "
+                            "localhost and 127.0.0.1)")
+    certs.add_argument("--days", type=int, default=90, help="validity of the service certificates (default 90)")
+
     status = sub.add_parser("status", help="show the router's routing table")
     _add_addr(status)
     models = sub.add_parser("models", help="list the models the mesh serves")
@@ -108,15 +135,31 @@ def build_parser() -> argparse.ArgumentParser:
                              help="validate the settings (flags and TOKENMESH_* env), print them and exit: 0 when "
                                   "valid, 2 with the reason when not; starts nothing (e.g. to test a chart's args)")
         service.set_defaults(config_cls=cls)
+
+    from tokenmesh_gateway import GatewayConfig
+
+    what = "run the HTTP gateway: OpenAI-compatible /v1/chat/completions and /v1/completions (SSE) over routers"
+    gateway = sub.add_parser("gateway", help=what, description=what)
+    add_arguments(gateway, GatewayConfig, "gateway")
+    gateway.add_argument("--check-config", action="store_true",
+                         help="validate the settings (flags and TOKENMESH_GATEWAY_* env), print them and exit: 0 "
+                              "when valid, 2 with the reason when not; starts nothing")
+    gateway.set_defaults(config_cls=GatewayConfig)
     return parser
 
 
 def _run_service(args: argparse.Namespace) -> int:
-    from tokenmesh.prober import Prober
-    from tokenmesh.router import Router
-    from tokenmesh.worker import Worker
+    service: Any
+    if args.command == "gateway":
+        from tokenmesh_gateway import Gateway
 
-    service: Any = {"router": Router, "worker": Worker, "prober": Prober}[args.command]
+        service = Gateway
+    else:
+        from tokenmesh.prober import Prober
+        from tokenmesh.router import Router
+        from tokenmesh.worker import Worker
+
+        service = {"router": Router, "worker": Worker, "prober": Prober}[args.command]
     config = from_namespace(args.config_cls, args)
     if args.check_config:
         for field in dataclasses.fields(config):
@@ -146,9 +189,17 @@ def _up(args: argparse.Namespace) -> int:
     from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
 
     repository = "" if args.model == "smollm2" else str(SHIPPED_REPOSITORIES[args.model])
+    scratch = tempfile.TemporaryDirectory(prefix="tokenmesh-tls-") if args.tls and not args.tls_dir else None
+    tls_dir = ""
+    if args.tls:
+        from tokenmesh.certs import make_dev_certs
+
+        folder = Path(args.tls_dir or scratch.name)  # type: ignore[union-attr]
+        tls_dir = str(folder if (folder / "ca.crt").exists() else make_dev_certs(folder, hosts=_cert_hosts(args.host)))
     mesh = Mesh(MeshConfig(workers=args.workers, host=args.host, port=args.port, threads=args.threads,
                            slots=args.slots, log_dir=args.log_dir, model_repository=repository,
-                           router_processes=args.router_processes, triton_nice=args.triton_nice))
+                           router_processes=args.router_processes, triton_nice=args.triton_nice,
+                           gateway_port=args.gateway_port or None, metrics=True, tls_dir=tls_dir))
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     engine = "SmolLM2" if args.model == "smollm2" else "the synthetic model"
@@ -161,6 +212,17 @@ def _up(args: argparse.Namespace) -> int:
         lines += [f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}   "
                   f"CPUs {w.info.get('cpus')}" for w in mesh.workers]
         lines.append(f"prober   {mesh.prober.address}")
+        if mesh.gateway is not None:
+            lines.append(f"gateway  {mesh.gateway.info.get('url')}   (OpenAI-compatible HTTP: /v1/chat/completions, "
+                         "/v1/completions, /v1/models)")
+        lines += [f"metrics  {name:9} {url}" for name, url in mesh.metrics_urls.items()]
+        if tls_dir:
+            folder = Path(tls_dir)
+            lines.append(f"mTLS     certificates in {folder}: CA {folder / 'ca.crt'}, client certificate "
+                         f"{folder / 'client.crt'}, its key {folder / 'client.key'}; try\n    grpcurl -cacert "
+                         f"{folder / 'ca.crt'} -cert {folder / 'client.crt'} -key {folder / 'client.key'} -d "
+                         "'{\"prompt\": \"The capital of France is\", \"max_tokens\": 8}' "
+                         f"{mesh.router.address} tokenmesh.v1.Inference/Generate")
         print("tokenmesh is up:\n  " + "\n  ".join(lines) + "\nCtrl-C stops everything.", flush=True)
         reason = mesh.supervise(lambda line: print(line, file=sys.stderr))
         print(f"{reason}; stopping", file=sys.stderr)
@@ -176,6 +238,24 @@ def _up(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("stopping...", file=sys.stderr)
         mesh.stop()
+        if scratch is not None:
+            scratch.cleanup()
+
+
+def _cert_hosts(host: str) -> list[str]:
+    """The SANs of `up --tls` certificates: loopback, plus the address the services listen on."""
+    hosts = ["localhost", "127.0.0.1"]
+    if host not in hosts and host not in ("0.0.0.0", "::"):  # noqa: S104 - a listen address, not a bind here
+        hosts.append(host)
+    return hosts
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from tokenmesh.certs import ROLES, make_dev_certs
+
+    folder = make_dev_certs(Path(args.out), hosts=args.host or ["localhost", "127.0.0.1"], days=args.days)
+    print(f"wrote {folder}/ca.crt (and ca.key) and, for {', '.join(ROLES)}, <role>.crt and <role>.key")
+    return 0
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -252,14 +332,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"tokenmesh: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-    )
+    configure_logs(str(args.log_level), args.log_format)
+    # The services `up` starts log the same way.
+    os.environ["TOKENMESH_LOG_LEVEL"], os.environ["TOKENMESH_LOG_FORMAT"] = str(args.log_level), args.log_format
     try:
         if args.command == "up":
             return _up(args)
-        if args.command in ("router", "worker", "prober"):
+        if args.command == "certs":
+            return _certs(args)
+        if args.command in ("router", "worker", "prober", "gateway"):
             try:
                 return _run_service(args)
             except OSError as exc:  # e.g. the port is taken: say so, without a traceback

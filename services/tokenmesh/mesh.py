@@ -153,7 +153,7 @@ class Mesh:
             self._logs.append(log_file)
             out = log_file
         cmd = [sys.executable, "-m", "tokenmesh", service, "--ready-file", str(ready), *args]
-        if self.config.tls_dir and service in METERED:  # each service with its own identity, mutual TLS
+        if self.config.tls_dir and service in (*METERED, "gateway"):  # each with its own identity, mutual TLS
             folder = Path(self.config.tls_dir)
             cmd += ["--tls-mode", "mtls", "--tls-cert", str(folder / f"{service}.crt"),
                     "--tls-key", str(folder / f"{service}.key"), "--tls-ca", str(folder / "ca.crt")]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
@@ -17,7 +19,7 @@ SECRET = "SECRET-PROMPT-7f3a"
 
 
 @pytest.fixture
-async def receiver(monkeypatch: pytest.MonkeyPatch) -> Receiver:
+async def receiver(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Receiver]:
     got = Receiver()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", await got.start())
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
@@ -95,3 +97,29 @@ async def test_content_goes_into_spans_only_when_captured_and_then_redacted(
     assert events["gen_ai.user.message"]["gen_ai.prompt"] == "mail <EMAIL> about <CARD>"
     assert events["gen_ai.choice"]["gen_ai.completion"] == "tok0 tok1 tok2 tok3 "
     assert b"alice@example.com" not in receiver.raw() and b"4111 1111" not in receiver.raw()
+
+
+async def test_one_trace_from_the_http_callers_traceparent_through_gateway_router_and_worker(
+    receiver: Receiver,
+) -> None:
+    import httpx
+
+    from .gateway_helpers import gateway_over
+
+    async with in_process_mesh() as mesh, gateway_over(mesh) as gateway:
+        async with httpx.AsyncClient(base_url=gateway.url) as http:
+            answer = await http.post("/completions", json={"prompt": f"{SECRET} x", "max_tokens": 3},
+                                     headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+            assert answer.status_code == 200
+            metrics = (await http.get(gateway.url.removesuffix("/v1") + "/metrics")).text
+    spans = {service: [s for svc, s in receiver.spans() if svc == service]
+             for service in ("tokenmesh-gateway", "tokenmesh-router", "tokenmesh-worker")}
+    (edge,) = spans["tokenmesh-gateway"]
+    (router,) = spans["tokenmesh-router"]
+    (worker,) = spans["tokenmesh-worker"]
+    assert edge.trace_id.hex() == router.trace_id.hex() == worker.trace_id.hex() == TRACE_ID
+    assert edge.parent_span_id.hex() == PARENT_ID  # the HTTP caller's span
+    assert router.parent_span_id == edge.span_id and worker.parent_span_id == router.span_id
+    assert edge.name == "text_completion default" and attributes(edge)["url.path"] == "/v1/completions"
+    assert SECRET.encode() not in receiver.raw()
+    assert 'tokenmesh_gateway_http_requests_total{route="/v1/completions",status="200"} 1.0' in metrics

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,13 +24,21 @@ class BenchError(Exception):
 def add_arguments(parser: argparse.ArgumentParser, default_addr: str) -> None:
     """The bench command's flags."""
     where = parser.add_argument_group("target")
-    where.add_argument("--target", choices=("mesh", "triton"), default="mesh",
-                       help="mesh: Inference/Generate on a router (default); triton: a Triton model directly")
+    where.add_argument("--target", choices=("mesh", "triton", "openai"), default="mesh",
+                       help="mesh: Inference/Generate on a router (default); triton: a Triton model directly; "
+                            "openai: any OpenAI-compatible endpoint (--url), streamed chat or completions over HTTP")
     where.add_argument("--addr", default=default_addr, help=f"router host:port (default {default_addr})")
     where.add_argument("--triton-url", default="",
                        help="Triton gRPC host:port, comma-separated for several (each request to the one with "
                             "the fewest outstanding: the ideal balancer); with --compare, "
                             "default: every worker's Triton, from the router's routing table")
+    where.add_argument("--url", default="",
+                       help="with --target openai: the API's base URL, e.g. http://127.0.0.1:8000/v1 (tokenmesh's "
+                            "gateway, vLLM, ...); prompts with messages go to /chat/completions, others to "
+                            "/completions")
+    where.add_argument("--api-key", default="",
+                       help="with --target openai: sent as 'Authorization: Bearer KEY' (default: none; env "
+                            "OPENAI_API_KEY)")
     where.add_argument("--model", default="", help="model name (default: the mesh's default model)")
     where.add_argument("--compare", action="store_true",
                        help="run the mesh and direct Triton on the same prompts, interleaved, and print mesh/direct")
@@ -84,6 +93,8 @@ def _check(args: argparse.Namespace) -> dict[str, float]:
         (not (args.compare and args.duration), "--compare needs --requests (same prompts for both), not --duration"),
         (args.target != "triton" or bool(args.triton_url), "--target triton needs --triton-url HOST:PORT"),
         (args.target != "triton" or bool(args.model), "--target triton needs --model NAME"),
+        (args.target != "openai" or bool(args.url), "--target openai needs --url http://HOST:PORT/v1"),
+        (not (args.compare and args.target == "openai"), "--compare drives the mesh and Triton; drop --target openai"),
     ]
     for ok, message in rules:
         if not ok:
@@ -121,7 +132,7 @@ async def run(args: argparse.Namespace) -> int:
     # Imported here: the client libraries are not needed to build the CLI's parser.
     from tokenmesh.bench import report
     from tokenmesh.bench.runner import Load, drive
-    from tokenmesh.bench.targets import MeshTarget, TargetError, TritonTarget
+    from tokenmesh.bench.targets import MeshTarget, OpenAITarget, TargetError, TritonTarget
 
     slo = _check(args)
     workload = _prompt_set(args)
@@ -136,6 +147,11 @@ async def run(args: argparse.Namespace) -> int:
         if args.target == "mesh":
             await mesh.open()
             targets.append(mesh)
+        if args.target == "openai":
+            endpoint = OpenAITarget(args.url, args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY", ""),
+                                    ignore_eos=not args.allow_eos, seed=args.seed)
+            targets.append(endpoint)
+            await endpoint.open()
         if args.target == "triton" or args.compare:
             urls = [u.strip() for u in args.triton_url.split(",") if u.strip()] or await mesh.triton_endpoints()
             triton = TritonTarget(urls, args.model or mesh.model, ignore_eos=not args.allow_eos, seed=args.seed)

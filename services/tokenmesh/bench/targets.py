@@ -1,8 +1,12 @@
-"""What ``tokenmesh bench`` drives: the mesh's router, or Triton models directly (the baseline)."""
+"""What ``tokenmesh bench`` drives: the mesh's router, Triton directly (the baseline), or an OpenAI API.
+
+The OpenAI target is any OpenAI-compatible HTTP endpoint: tokenmesh's gateway, vLLM, ...
+"""
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -10,10 +14,12 @@ from typing import Any
 
 import grpc
 import numpy as np
+import orjson
 import tritonclient.grpc.aio as triton_aio
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
+from tokenmesh.bench.http1 import Http1Client, Response
 from tokenmesh.bench.metrics import RequestResult
 from tokenmesh.bench.prompts import Prompt
 from tokenmesh.client import Client
@@ -55,21 +61,25 @@ class MeshTarget(Target):
 
     name = "mesh"
 
-    def __init__(self, addr: str, model: str = "", *, ignore_eos: bool = True, seed: int | None = 0) -> None:
+    def __init__(self, addr: str, model: str = "", *, ignore_eos: bool = True, seed: int | None = 0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.addr = addr
         self.model = model
         self.ignore_eos = ignore_eos
         self.seed = seed
+        self.credentials = credentials
         self._channel: grpc.aio.Channel | None = None
         self._client: Client | None = None
 
     async def open(self) -> None:
         """Connect and resolve the model (the default when none is named)."""
         try:
-            self._client = Client(self.addr)
+            self._client = Client(self.addr, credentials=self.credentials)
         except ValueError as exc:
             raise TargetError(f"--addr: {exc}") from exc
-        self._channel = grpc.aio.insecure_channel(self.addr.split(",")[0].strip())  # the routing table's router
+        first = self.addr.split(",")[0].strip()  # the routing table's router
+        self._channel = (grpc.aio.insecure_channel(first) if self.credentials is None
+                         else grpc.aio.secure_channel(first, self.credentials))
         try:
             listed = await self._client.list_models(timeout=CONNECT_TIMEOUT_S)
         except MeshError as exc:
@@ -245,3 +255,124 @@ class TritonTarget(Target):
         count = len(self._clients)
         self._turn = (self._turn + 1) % count
         return min(range(count), key=lambda i: (self.outstanding[i], (i - self._turn) % count))
+
+
+class OpenAITarget(Target):
+    """An OpenAI-compatible endpoint: streamed ``/chat/completions`` (messages) or ``/completions`` (prompt).
+
+    Server-Sent Events are parsed as they arrive, over :mod:`tokenmesh.bench.http1`
+    (a client far cheaper than the servers it measures); TTFT is the first
+    event with text. Each request asks for ``stream_options.include_usage`` (the
+    output tokens) and ``continuous_usage_stats`` (tokens per chunk, where the
+    server reports them, as vLLM and tokenmesh do; otherwise each text event
+    counts one token). ``ignore_eos`` and ``seed`` are sent as the mesh target
+    sends them (vLLM's extension; ``--allow-eos`` leaves ``ignore_eos`` out).
+    """
+
+    name = "openai"
+
+    def __init__(self, url: str, model: str = "", *, api_key: str = "", ignore_eos: bool = True,
+                 seed: int | None = 0) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.ignore_eos = ignore_eos
+        self.seed = seed
+        self._api_key = api_key
+        self._http: Http1Client | None = None
+
+    async def open(self) -> None:
+        """Connect and resolve the model (the first one /models lists when none is named)."""
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        try:
+            self._http = Http1Client(self.url, headers, connect_timeout_s=CONNECT_TIMEOUT_S)
+            async with self._http.request("GET", "/models") as response:
+                status, body = response.status, await asyncio.wait_for(response.read(), CONNECT_TIMEOUT_S)
+        except (ValueError, OSError, TimeoutError) as exc:
+            raise TargetError(f"cannot reach {self.url}: {exc}") from None
+        if status != 200:
+            raise TargetError(f"GET {self.url}/models answered {status}: {body[:200].decode(errors='replace')}")
+        try:
+            names = [str(m["id"]) for m in orjson.loads(body)["data"]]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise TargetError(f"GET {self.url}/models did not answer an OpenAI model list") from None
+        if not names:
+            raise TargetError(f"{self.url}/models lists no model")
+        if not self.model:
+            self.model = names[0]
+        if self.model not in names:
+            raise TargetError(f"model {self.model!r} is not served at {self.url} (served: {', '.join(names)})")
+
+    async def close(self) -> None:
+        """Close the connections."""
+        if self._http is not None:
+            await self._http.close()
+
+    async def run(self, prompt: Prompt, result: RequestResult) -> None:
+        """Stream one request, timing each event with text."""
+        assert self._http is not None
+        body: dict[str, Any] = {"model": self.model, "max_tokens": prompt.max_tokens, "stream": True,
+                                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        if prompt.messages:
+            path = "/chat/completions"
+            body["messages"] = [{"role": r, "content": c} for r, c in prompt.messages]
+        else:
+            path = "/completions"
+            body["prompt"] = prompt.text
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.seed is not None:
+            body["seed"] = self.seed
+        try:
+            async with self._http.request("POST", path, orjson.dumps(body)) as response:
+                if response.status != 200:
+                    result.error, result.ended = _http_error(response.status, await response.read()), time.monotonic()
+                    return
+                await self._read(response, result)
+        except OSError as exc:
+            result.error, result.ended = type(exc).__name__.upper(), time.monotonic()
+
+    @staticmethod
+    async def _read(response: Response, result: RequestResult) -> None:
+        buffer = b""
+        counted = 0
+        async for piece in response.pieces():
+            now = time.monotonic()
+            buffer += piece
+            *events, buffer = buffer.split(b"\n\n")
+            for event in events:
+                for line in event.split(b"\n"):
+                    if not line.startswith(b"data:"):
+                        continue  # id, event, comments (keep-alive)
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        result.ended = now
+                        if result.output_tokens == 0:
+                            result.output_tokens = counted
+                        return
+                    item = orjson.loads(data)
+                    if "error" in item:
+                        code = item["error"].get("code") if isinstance(item["error"], dict) else None
+                        result.error, result.ended = str(code or "STREAM_ERROR").upper(), now
+                        return
+                    choices = item.get("choices") or []
+                    text = "".join((c.get("text") or (c.get("delta") or {}).get("content") or "") for c in choices)
+                    usage = item.get("usage")
+                    if choices and text:
+                        tokens = 1
+                        if usage:
+                            tokens = max(0, int(usage.get("completion_tokens", 0)) - counted)
+                        counted += tokens
+                        result.chunk_times.append(now)
+                        result.chunk_tokens.append(tokens)
+                    if usage and not choices:
+                        result.output_tokens = int(usage.get("completion_tokens", 0))
+        result.error, result.ended = "NO_DONE", time.monotonic()
+
+
+def _http_error(status: int, body: bytes) -> str:
+    """The OpenAI error's code in upper case (RESOURCE_EXHAUSTED...), else HTTP_<status>."""
+    try:
+        code = orjson.loads(body)["error"]["code"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        code = None
+    return str(code).upper() if isinstance(code, str) and code else f"HTTP_{status}"

@@ -55,6 +55,8 @@ class Client:
             after a break, to be resumed.
         max_resumes: how many times one generation may be resumed after its stream broke.
         initial_backoff_s: upper bound of the first wait between attempts (it doubles, up to 2 s).
+        credentials: TLS (or mutual TLS) to the routers, e.g. ``grpc.ssl_channel_credentials(ca, key, cert)``;
+            None: plaintext.
 
     """
 
@@ -67,6 +69,7 @@ class Client:
     max_resumes: int
     initial_backoff_s: float
     _background: set[asyncio.Task[Any]]
+    _credentials: grpc.ChannelCredentials | None
 
     def __init__(
         self,
@@ -75,6 +78,7 @@ class Client:
         retry_deadline_s: float = 30.0,
         max_resumes: int = 8,
         initial_backoff_s: float = 0.05,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         names = tuple(a.strip() for a in (routers.split(",") if isinstance(routers, str) else routers) if a.strip())
         if not names:
@@ -91,6 +95,7 @@ class Client:
         self.max_resumes = max_resumes
         self.initial_backoff_s = initial_backoff_s
         self._background = set()
+        self._credentials = credentials
 
     async def __aenter__(self) -> Self:
         return self
@@ -151,7 +156,9 @@ class Client:
     def _stub(self, address: str) -> inference_pb2_grpc.InferenceStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._channels[address] = (
+                grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) if self._credentials is None
+                else grpc.aio.secure_channel(address, self._credentials, options=CHANNEL_OPTIONS))
         return inference_pb2_grpc.InferenceStub(channel)
 
     async def _wait(self, failures: int, exc: BaseException | None, deadline: float) -> None:

@@ -1,0 +1,146 @@
+"""What the HTTP gateway adds: TTFT and CPU per token, through the gateway (HTTP/SSE) vs straight to the router.
+
+Starts the embedded mesh on the synthetic Triton model (--tokens-per-s per
+stream, default 1,000, in --responses-per-s messages, default 200: 5 tokens
+each) with its gateway, then runs --blocks blocks per path, alternating which
+goes first (ABBA), closed loop at --concurrency, the same prompts on both
+paths: ``tokenmesh bench``'s OpenAI target through the gateway
+(``/v1/completions``, streamed, parsed as SSE) and its mesh target
+(``tokenmesh.client`` over gRPC to the router). Offered load = concurrency x
+tokens-per-s (default 8 x 1,000 = 8k tokens/s).
+
+Prints per block and as the median [min..max] over blocks: the TTFT p50 and
+p99 the gateway path adds over the gRPC path, and the gateway process's CPU
+per token (user + system from /proc over its blocks, divided by the tokens it
+relayed). Targets (issue 13): <= 2 ms TTFT p50 added, <= 30 us CPU per token.
+
+    .venv/bin/python benchmarks/gateway.py
+    .venv/bin/python benchmarks/gateway.py --concurrency 8 --blocks 6 --requests 64 --tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from common import running_mesh, synthetic_repository
+
+from tokenmesh.bench.metrics import RequestResult, summarize
+from tokenmesh.bench.prompts import synthetic
+from tokenmesh.bench.runner import Load, drive
+from tokenmesh.bench.targets import MeshTarget, OpenAITarget, Target
+from tokenmesh.mesh import MeshConfig
+from tokenmesh.process import cpu_seconds
+
+
+def figures(results: list[RequestResult]) -> dict[str, Any]:
+    """TTFT p50/p99 (ms), output tokens, tokens/s and errors (by name) of one block."""
+    s = summarize(results)
+    return {"ttft_p50": s["ttft_s"]["p50"] * 1000, "ttft_p99": s["ttft_s"]["p99"] * 1000,
+            "tokens": float(s["output_tokens"]), "tokens_per_s": s["output_tokens_per_s"], "errors": s["errors"]}
+
+
+async def measure(router: str, url: str, pids: dict[str, int],
+                  args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """Blocks per path, alternated; each block's figures with the CPU seconds of the gateway and router."""
+    grpc_path = MeshTarget(router, ignore_eos=True)
+    http_path = OpenAITarget(url, ignore_eos=True)
+    for target in (grpc_path, http_path):
+        await target.open()
+    paths: tuple[Target, Target] = (http_path, grpc_path)
+    found: dict[str, list[dict[str, Any]]] = {t.name: [] for t in paths}
+    try:
+        for target in paths:  # warm both paths (connections, channels, the engines' first requests)
+            await drive(target, synthetic(2 * args.concurrency, 16, args.tokens, seed=9), Load(concurrency=8))
+        for block in range(args.blocks):
+            prompts = synthetic(args.requests, 16, args.tokens, seed=100 + block)
+            for target in (paths if block % 2 == 0 else paths[::-1]):
+                before = {name: cpu_seconds([pid]) for name, pid in pids.items()}
+                machine, began = psutil.cpu_times(), time.monotonic()
+                results = await drive(target, prompts, Load(concurrency=args.concurrency))
+                block_figures = figures(results)
+                for name, pid in pids.items():
+                    block_figures[f"{name}_cpu_s"] = cpu_seconds([pid]) - before[name]
+                idle = psutil.cpu_times().idle - machine.idle
+                block_figures["busy"] = 1 - idle / ((time.monotonic() - began) * (psutil.cpu_count() or 1))
+                found[target.name].append(block_figures)
+            print(f"  block {block + 1}/{args.blocks} done", flush=True)
+    finally:
+        for target in paths:
+            await target.close()
+    return found
+
+
+def spread(values: list[float]) -> str:
+    """Median [min..max]."""
+    return f"{statistics.median(values):9.3f} [{min(values):.3f}..{max(values):.3f}]"
+
+
+def report(found: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    """Print the comparison."""
+    http, direct = found["openai"], found["mesh"]
+    pairs = list(zip(http, direct, strict=True))
+    print(f"\nsynthetic engine: {args.tokens_per_s:g} tokens/s per stream in {args.responses_per_s:g} messages/s, "
+          f"{args.tokens} tokens per request; concurrency {args.concurrency} "
+          f"({args.concurrency * args.tokens_per_s:,.0f} tokens/s offered); {args.blocks} blocks of "
+          f"{args.requests} requests per path, alternated")
+    print(f"{'':34} {'gateway':>10} {'gRPC':>10}   (median over blocks)")
+    for label, key in (("TTFT p50 (ms)", "ttft_p50"), ("TTFT p99 (ms)", "ttft_p99"),
+                       ("output tokens/s", "tokens_per_s")):
+        print(f"{label:34} {statistics.median(h[key] for h in http):10.3f} "
+              f"{statistics.median(d[key] for d in direct):10.3f}")
+    print("median [min..max] over blocks:")
+    rows = {
+        "TTFT p50 added by gateway (ms)": [h["ttft_p50"] - d["ttft_p50"] for h, d in pairs],
+        "TTFT p99 added by gateway (ms)": [h["ttft_p99"] - d["ttft_p99"] for h, d in pairs],
+        "gateway CPU per token (us)": [h["gateway_cpu_s"] / h["tokens"] * 1e6 for h in http],
+        "gateway CPU, % of a core": [100 * h["gateway_cpu_s"] / (h["tokens"] / h["tokens_per_s"]) for h in http],
+        "router CPU per token, HTTP (us)": [h["router_cpu_s"] / h["tokens"] * 1e6 for h in http],
+        "router CPU per token, gRPC (us)": [d["router_cpu_s"] / d["tokens"] * 1e6 for d in direct],
+        "client CPU per token, HTTP (us)": [h["client_cpu_s"] / h["tokens"] * 1e6 for h in http],
+        "client CPU per token, gRPC (us)": [d["client_cpu_s"] / d["tokens"] * 1e6 for d in direct],
+        "machine CPU busy, HTTP (%)": [100 * h["busy"] for h in http],
+        "machine CPU busy, gRPC (%)": [100 * d["busy"] for d in direct],
+    }
+    for label, values in rows.items():
+        print(f"{label:34} {spread(values)}")
+    for label, blocks in (("errors, gateway", http), ("errors, gRPC", direct)):
+        errors: collections.Counter[str] = collections.Counter()
+        for block in blocks:
+            errors.update(block["errors"])
+        print(f"{label:34} {sum(errors.values())} {dict(errors) or ''}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=8, help="streams at once (default 8)")
+    parser.add_argument("--blocks", type=int, default=6, help="blocks per path (default 6)")
+    parser.add_argument("--requests", type=int, default=64, help="requests per block (default 64)")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per request (default 256)")
+    parser.add_argument("--tokens-per-s", type=float, default=1000.0, help="per stream (default 1000)")
+    parser.add_argument("--responses-per-s", type=float, default=200.0,
+                        help="engine messages per second per stream (default 200: 5 tokens each)")
+    parser.add_argument("--workers", type=int, default=2, help="workers, each with its own Triton (default 2)")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as folder:
+        repository = synthetic_repository(Path(folder), tokens_per_s=args.tokens_per_s,
+                                          responses_per_s=args.responses_per_s, n_parallel=max(64, args.concurrency))
+        config = MeshConfig(workers=args.workers, port=0, model_repository=str(repository), gateway_port=0)
+        with running_mesh(config) as mesh:
+            assert mesh.router is not None and mesh.gateway is not None
+            pids = {"gateway": mesh.gateway.proc.pid, "router": mesh.router.proc.pid, "client": os.getpid()}
+            found = asyncio.run(measure(mesh.router.address, str(mesh.gateway.info["url"]), pids, args))
+    report(found, args)
+
+
+if __name__ == "__main__":
+    main()

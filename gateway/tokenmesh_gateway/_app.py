@@ -1,0 +1,351 @@
+"""The gateway's routes, as one raw ASGI application over :class:`tokenmesh.client.Client`.
+
+=========  ==========================================  =================================================
+method     path                                        what
+=========  ==========================================  =================================================
+POST       /v1/chat/completions, /v1/completions       a generation, streamed (SSE) or whole; with
+                                                       ``Last-Event-ID``: resume a stream after that event
+GET        /v1/chat/completions/{id}/stream (and       resume a stream after ``Last-Event-ID`` (or
+           /v1/completions/{id}/stream)                ``?starting_after=SEQ``; from the start without)
+DELETE     /v1/chat/completions/{id} (and              cancel the generation, wherever it runs
+           /v1/completions/{id})
+GET        /v1/models, /v1/models/{model}              the models the mesh serves now
+GET        /health                                     200 while serving, 503 once draining
+=========  ==========================================  =================================================
+
+With API keys, a caller's ``X-Request-Id`` is kept apart per tenant (the
+mesh sees ``<tenant>/<id>``), so one tenant can neither resume nor cancel
+another's generations.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.parse
+from collections.abc import MutableMapping
+from typing import Any
+
+import orjson
+from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from tokenmesh.client import Client
+from tokenmesh.errors import MeshError
+from tokenmesh.tracing import from_mapping, inject, operation
+from tokenmesh.v1 import inference_pb2
+from tokenmesh_gateway._auth import tenant_of
+from tokenmesh_gateway._config import GatewayConfig
+from tokenmesh_gateway._errors import DEFAULT_RETRY_AFTER_MS, HttpError, from_mesh, invalid
+from tokenmesh_gateway._http import Receive, Scope, Send, header, read_body, respond, respond_error
+from tokenmesh_gateway._openai import Kind, decode_body, parse, stream_flags
+from tokenmesh_gateway._sse import response_id
+from tokenmesh_gateway._stream import Answer, Exchanges
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._~:-]{1,128}")
+"""What an ``X-Request-Id`` may be: no '/', so it is one path segment (and tenants' ids stay apart)."""
+
+_GENERATE: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+_BY_ID = re.compile(r"/v1/(chat/completions|completions)/([^/]+)(/stream)?")
+_MODEL = re.compile(r"/v1/models/([^/]+)")
+_KINDS: dict[str, Kind] = {"chat/completions": "chat", "completions": "completion"}
+_OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
+
+
+class GatewayApp:
+    """The ASGI application (``http`` scopes only; run without lifespan).
+
+    Args:
+        client: the mesh's client (several routers; retries and resumes).
+        config: the gateway's settings.
+        keys: sha256 hex of each accepted API key -> its tenant; None accepts any caller.
+
+    """
+
+    client: Client
+    config: GatewayConfig
+    keys: dict[str, str] | None
+    exchanges: Exchanges
+    draining: bool
+    """New generations get 503 and /health says draining."""
+    created: int
+    """Unix time the gateway started (the models' ``created``)."""
+
+    def __init__(self, client: Client, config: GatewayConfig, keys: dict[str, str] | None = None) -> None:
+        self.client = client
+        self.config = config
+        self.keys = keys
+        self.exchanges = Exchanges(config.keepalive_s)
+        self.draining = False
+        self.created = int(time.time())
+        self.tracer: trace.Tracer | None = None
+        """A span per generation (None: tracing off)."""
+        self.registry = CollectorRegistry()
+        """The gateway's Prometheus metrics, served at /metrics."""
+        self.requests = Counter("tokenmesh_gateway_http_requests_total", "HTTP requests by route and status",
+                                ["route", "status"], registry=self.registry)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer one request (and count it by route and status)."""
+        if scope["type"] != "http":
+            return  # no websockets; the lifespan protocol is off
+        status = [0]
+
+        async def counted(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self._route(scope, receive, counted)
+        except HttpError as error:
+            await respond_error(counted, error)
+        except ConnectionResetError:
+            return  # the caller left before its request was read
+        finally:
+            self.requests.labels(_route_label(scope["path"]), str(status[0] or "none")).inc()
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method: str = scope["method"]
+        path: str = scope["path"]
+        if path == "/health":
+            _allow(method, "GET")
+            await self._health(send)
+            return
+        if path == "/metrics":
+            _allow(method, "GET")
+            body = generate_latest(self.registry)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        kind = _GENERATE.get(path)
+        if kind is not None:
+            _allow(method, "POST")
+            await self._generate(kind, scope, receive, send)
+            return
+        if path == "/v1/models":
+            _allow(method, "GET")
+            await self._models(scope, send, None)
+            return
+        if match := _MODEL.fullmatch(path):
+            _allow(method, "GET")
+            await self._models(scope, send, urllib.parse.unquote(match.group(1)))
+            return
+        if match := _BY_ID.fullmatch(path):
+            kind, request_id = _KINDS[match.group(1)], urllib.parse.unquote(match.group(2))
+            if match.group(3):
+                _allow(method, "GET")
+                await self._resume_get(kind, request_id, scope, receive, send)
+            else:
+                _allow(method, "DELETE")
+                await self._cancel(kind, request_id, scope, send)
+            return
+        raise HttpError(404, f"no route {path}; this gateway serves /v1/chat/completions, /v1/completions, "
+                             "/v1/models and /health", code="not_found")
+
+    # -- generations ------------------------------------------------------------
+
+    async def _generate(self, kind: Kind, scope: Scope, receive: Receive, send: Send) -> None:
+        tenant = self._tenant(scope)
+        self._refuse_if_draining()
+        body = decode_body(await read_body(scope, receive, self.config.max_body_bytes))
+        request_id = _request_id(scope)
+        last_event = header(scope, b"last-event-id")
+        if last_event is not None:
+            after_id, after = _last_event(last_event.decode("latin-1"), request_id)
+            if body.get("stream") is not True:
+                raise invalid("Last-Event-ID resumes a stream: send stream: true", "stream")
+            include, continuous = stream_flags(body)
+            model = body.get("model")
+            model = model if isinstance(model, str) else ""
+            await self._resume(kind, after_id, after, tenant, include, continuous, receive, send, model, scope)
+            return
+        parsed = parse(body, kind, self.config.default_model)
+        request = parsed.request
+        prefix = f"{tenant}/" if tenant else ""
+        if request_id:
+            request.request_id = prefix + request_id
+        if tenant:
+            request.labels["tenant"] = tenant
+        answer = Answer(kind, parsed.stream, parsed.include_usage, parsed.continuous_usage, request.model,
+                        int(time.time()), prefix)
+        span, metadata = self._span(scope, kind, request.model or "default")
+        try:
+            await self.exchanges.answer(
+                lambda: self.client.generate(request, timeout=self._timeout(), metadata=metadata), answer,
+                receive, send)
+        finally:
+            if span is not None:
+                span.end()
+
+    async def _resume_get(self, kind: Kind, request_id: str, scope: Scope, receive: Receive, send: Send) -> None:
+        tenant = self._tenant(scope)
+        self._refuse_if_draining()
+        _check_id(request_id, "the path's request id")
+        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        after = 0
+        last_event = header(scope, b"last-event-id")
+        if last_event is not None:
+            _, after = _last_event(last_event.decode("latin-1"), request_id)  # its id must be the path's
+        elif "starting_after" in query:
+            after = _seq(query["starting_after"][-1], "starting_after")
+        include = _flag(query, "include_usage")
+        continuous = include and _flag(query, "continuous_usage_stats")
+        await self._resume(kind, request_id, after, tenant, include, continuous, receive, send, scope=scope)
+
+    async def _resume(self, kind: Kind, request_id: str, after: int, tenant: str, include_usage: bool,
+                      continuous_usage: bool, receive: Receive, send: Send, model: str = "",
+                      scope: Scope | None = None) -> None:
+        # A resumed stream's chunks may name no model: the caller's (a repeated POST), else the default.
+        prefix = f"{tenant}/" if tenant else ""
+        answer = Answer(kind, True, include_usage, continuous_usage, model or self.config.default_model,
+                        int(time.time()), prefix)
+        span, metadata = (self._span(scope, kind, model or self.config.default_model or "default")
+                          if scope is not None else (None, ()))
+        try:
+            await self.exchanges.answer(
+                lambda: self.client.resume(prefix + request_id, after, timeout=self._timeout(), metadata=metadata),
+                answer, receive, send)
+        finally:
+            if span is not None:
+                span.end()
+
+    def _span(self, scope: Scope, kind: Kind, model: str) -> tuple[trace.Span | None, tuple[tuple[str, str], ...]]:
+        """The request's span and the metadata that makes it the router's parent.
+
+        The span is the child of the caller's W3C traceparent; with tracing off
+        the caller's own trace headers go on to the router as they are.
+        """
+        carrier = {name: value.decode("latin-1") for name in ("traceparent", "tracestate")
+                   if (value := header(scope, name.encode())) is not None}
+        if self.tracer is None:
+            return None, tuple(carrier.items())
+        name = operation(kind == "chat")
+        span = self.tracer.start_span(f"{name} {model}", context=from_mapping(carrier), kind=trace.SpanKind.SERVER,
+                                      attributes={"gen_ai.operation.name": name, "gen_ai.request.model": model,
+                                                  "http.request.method": scope.get("method", ""),
+                                                  "url.path": scope.get("path", "")})
+        return span, tuple(inject(span).items())
+
+    async def _cancel(self, kind: Kind, request_id: str, scope: Scope, send: Send) -> None:
+        tenant = self._tenant(scope)
+        _check_id(request_id, "the path's request id")
+        try:
+            response = await self.client.cancel((f"{tenant}/" if tenant else "") + request_id)
+        except MeshError as error:
+            raise from_mesh(error) from error
+        await respond(send, 200, orjson.dumps({"id": response_id(kind, request_id),
+                                               "object": f"{_OBJECT[kind]}.deleted",
+                                               "deleted": response.cancelled}))
+
+    # -- the rest -----------------------------------------------------------------
+
+    async def _models(self, scope: Scope, send: Send, name: str | None) -> None:
+        self._tenant(scope)
+        try:
+            listed = await self.client.list_models()
+        except MeshError as error:
+            raise from_mesh(error) from error
+        models = [_model(m, self.created) for m in listed.models]
+        if name is None:
+            await respond(send, 200, orjson.dumps({"object": "list", "data": models}))
+            return
+        for model in models:
+            if model["id"] == name:
+                await respond(send, 200, orjson.dumps(model))
+                return
+        raise HttpError(404, f"the model {name!r} does not exist; GET /v1/models lists the models",
+                        param="model", code="model_not_found")
+
+    async def _health(self, send: Send) -> None:
+        if self.draining:
+            await respond(send, 503, b'{"status":"draining"}')
+        else:
+            await respond(send, 200, b'{"status":"ok"}')
+
+    def _tenant(self, scope: Scope) -> str:
+        """The caller's tenant ('' without keys); 401 without a valid key."""
+        if self.keys is None:
+            return ""
+        return tenant_of(self.keys, header(scope, b"authorization"))
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise HttpError(503, "this gateway is shutting down; send the request to another one",
+                            code="unavailable", retry_after_ms=DEFAULT_RETRY_AFTER_MS)
+
+    def _timeout(self) -> float | None:
+        return self.config.timeout_s or None
+
+
+def _route_label(path: str) -> str:
+    """A bounded route label: the route's template, never the caller's path."""
+    if path in _GENERATE or path in ("/health", "/metrics", "/v1/models"):
+        return path
+    if _MODEL.fullmatch(path):
+        return "/v1/models/{model}"
+    if match := _BY_ID.fullmatch(path):
+        return f"/v1/{match.group(1)}/{{id}}{match.group(3) or ''}"
+    return "other"
+
+
+def _allow(method: str, allowed: str) -> None:
+    if method != allowed:
+        raise _MethodNotAllowed(method, allowed)
+
+
+class _MethodNotAllowed(HttpError):
+    """405, with the method the route takes."""
+
+    def __init__(self, method: str, allowed: str) -> None:
+        super().__init__(405, f"{method} is not allowed here; use {allowed}", code="method_not_allowed")
+        self.allowed = allowed
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The Allow header."""
+        return [(b"allow", self.allowed.encode())]
+
+
+def _request_id(scope: Scope) -> str:
+    value = header(scope, b"x-request-id")
+    if value is None:
+        return ""
+    request_id = value.decode("latin-1")
+    _check_id(request_id, "X-Request-Id")
+    return request_id
+
+
+def _check_id(request_id: str, what: str) -> None:
+    if not REQUEST_ID.fullmatch(request_id):
+        raise invalid(f"{what} must be 1-128 characters of A-Z a-z 0-9 . _ ~ : -, got {request_id[:140]!r}",
+                      "request_id")
+
+
+def _last_event(value: str, request_id: str) -> tuple[str, int]:
+    """(request id, seq) of a ``Last-Event-ID: <request_id>:<seq>``; it must match request_id when one is given."""
+    event_id, colon, seq = value.strip().rpartition(":")
+    if not colon:
+        raise invalid(f"Last-Event-ID must be <request_id>:<seq>, as the events' id lines, got {value[:140]!r}",
+                      "Last-Event-ID")
+    _check_id(event_id, "Last-Event-ID's request id")
+    if request_id and event_id != request_id:
+        raise invalid(f"Last-Event-ID names {event_id!r}, the request {request_id!r}", "Last-Event-ID")
+    return event_id, _seq(seq, "Last-Event-ID")
+
+
+def _seq(value: str, what: str) -> int:
+    if not (value.isascii() and value.isdigit()) or len(value) > 19:
+        raise invalid(f"{what}: the seq must be a whole number >= 0, got {value[:40]!r}", what)
+    return int(value)
+
+
+def _flag(query: dict[str, list[str]], name: str) -> bool:
+    values = query.get(name) or [""]
+    return values[-1].lower() in ("1", "true", "yes", "on")
+
+
+def _model(model: inference_pb2.ModelInfo, created: int) -> dict[str, Any]:
+    return {"id": model.name, "object": "model", "created": created, "owned_by": "tokenmesh",
+            "max_model_len": model.max_context}

@@ -1,0 +1,53 @@
+"""The gateway's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmesh.config import address_error, check, csv, setting
+from tokenmesh.tls import TlsSettings
+from tokenmesh_gateway._auth import load_keys
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig(TlsSettings):
+    """Settings of one gateway (flags ``--name``, env ``TOKENMESH_GATEWAY_NAME``)."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "HTTP port; 0 picks a free one")
+    routers: tuple[str, ...] = setting((), "router addresses host:port, comma-separated, or one DNS name whose "
+                                           "A records are the routers; a stream whose router fails resumes on "
+                                           "another", parse=csv)
+    api_keys_file: str = setting("", "file of accepted API keys, one 'sha256hex tenant' per line ('#' starts a "
+                                     "comment); when set, every /v1 call needs 'Authorization: Bearer KEY' and its "
+                                     "tenant becomes the generation's tenant label; empty = no keys")
+    default_model: str = setting("", "model for requests that name none; empty = the mesh's default model")
+    max_body_bytes: int = setting(1024 * 1024, "largest request body, in bytes; a larger one gets 413")
+    keepalive_s: float = setting(15.0, "a stream silent this long gets a ': keep-alive' comment line (proxies "
+                                       "drop idle connections)")
+    timeout_s: float = setting(0.0, "longest a generation may take, retries and resumes included (504 before "
+                                    "the first chunk, an error event after); 0 = no limit")
+    retry_deadline_s: float = setting(10.0, "how long a request may be retried on other routers before its first "
+                                            "chunk, and a broken stream be resumed, before the caller gets the error")
+    max_resumes: int = setting(8, "times one stream may be resumed on another router after its stream broke")
+    drain_grace_s: float = setting(30.0, "on SIGTERM, how long open streams may take to finish (new requests get "
+                                         "503 meanwhile); streams still open then end with an error event")
+    ready_file: str = setting("", "write {address, url, pid} as JSON here once serving")
+
+    def __post_init__(self) -> None:
+        """Validate ranges."""
+        check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(bool(self.routers), "give at least one router address (--routers host:port,...)")
+        for address in self.routers:
+            problem = address_error(address)
+            check(not problem, f"router address {address!r}: {problem}")
+        check(1024 <= self.max_body_bytes <= 64 * 1024 * 1024,
+              f"max_body_bytes must be 1024..67108864, got {self.max_body_bytes}")
+        check(0 < self.keepalive_s <= 3600, f"keepalive_s must be in (0, 3600], got {self.keepalive_s}")
+        check(self.timeout_s >= 0, f"timeout_s must be >= 0 (0 = no limit), got {self.timeout_s}")
+        check(self.retry_deadline_s > 0, f"retry_deadline_s must be > 0, got {self.retry_deadline_s}")
+        check(self.max_resumes >= 0, f"max_resumes must be >= 0, got {self.max_resumes}")
+        check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if self.api_keys_file:
+            load_keys(self.api_keys_file)  # a bad file stops the start, with the line at fault
+        self.check_tls()  # HTTPS on the port (mtls: client certificates required), and TLS to the routers

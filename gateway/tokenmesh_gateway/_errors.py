@@ -1,0 +1,99 @@
+"""Errors as the OpenAI API sends them: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
+
+The status of a mesh error comes from the one error table
+(:attr:`tokenmesh.errors.MeshError.http_status`); a retry hint the router
+sent (trailer ``retry-after-ms``) becomes the ``Retry-After`` (seconds) and
+``retry-after-ms`` headers, which the ``openai`` SDK honours when it retries.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import orjson
+
+from tokenmesh.errors import MeshError, NotFound, ResourceExhausted, Unavailable
+from tokenmesh.retry import RETRY_AFTER
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 429: "rate_limit_error"}
+"""OpenAI's error ``type`` per status; any other 4xx is an invalid request, 5xx a server error."""
+
+DEFAULT_RETRY_AFTER_MS = 1000
+"""Retry hint of a 503 the router gave none for (no live worker, a draining gateway)."""
+
+_PARAM = re.compile(r"(model|prompt|messages|max_tokens|temperature|top_p|seed|stop|request_id)\b")
+"""Request fields a router's message may start with: the error's ``param``."""
+
+
+class HttpError(Exception):
+    """A request that ends in an HTTP error with the OpenAI error body.
+
+    Args:
+        status: the HTTP status.
+        message: what went wrong and what to change.
+        param: the request field at fault, when one is.
+        code: a short machine-readable reason (``invalid_argument``, ``model_not_found``...).
+        retry_after_ms: a retry hint; sent as ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``.
+
+    """
+
+    status: int
+    message: str
+    param: str | None
+    code: str | None
+    retry_after_ms: int | None
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_ms = retry_after_ms
+
+    @property
+    def type(self) -> str:
+        """OpenAI's error type for the status."""
+        return _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+
+    def document(self) -> dict[str, Any]:
+        """The error object (the value of "error")."""
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+
+    def body(self) -> bytes:
+        """The JSON body ``{"error": {...}}``."""
+        return orjson.dumps({"error": self.document()})
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Retry hints, when there is one."""
+        if self.retry_after_ms is None:
+            return []
+        seconds = max(1, math.ceil(self.retry_after_ms / 1000))
+        return [(b"retry-after", str(seconds).encode()), (b"retry-after-ms", str(self.retry_after_ms).encode())]
+
+
+def invalid(message: str, param: str | None = None) -> HttpError:
+    """400 for a request the gateway itself refuses."""
+    return HttpError(400, message, param=param, code="invalid_argument")
+
+
+def from_mesh(error: MeshError) -> HttpError:
+    """The HTTP error for a mesh error: status from the error table, hint from its trailers."""
+    name = error.grpc_code.name.lower()
+    code = "model_not_found" if isinstance(error, NotFound) and error.message.startswith("unknown model") else name
+    match = _PARAM.match(error.message)
+    hint: int | None = None
+    for key, value in error.trailers:
+        if key == RETRY_AFTER:
+            try:
+                hint = max(0, int(float(value)))
+            except ValueError:
+                hint = None
+    if hint is None and isinstance(error, Unavailable | ResourceExhausted):
+        hint = DEFAULT_RETRY_AFTER_MS
+    param = "model" if code == "model_not_found" else (match.group(1) if match else None)
+    return HttpError(error.http_status, error.message, param=param, code=code, retry_after_ms=hint)

@@ -1,0 +1,270 @@
+"""OpenAI request bodies → ``tokenmesh.v1.GenerateRequest``, checked field by field.
+
+Fields are taken as vLLM's OpenAI server takes them. A field that would
+change the answer and that the mesh cannot honour (``n`` > 1, logprobs,
+tools, response formats, penalties...) is refused with a 400 naming it in
+``param``, never silently dropped; its neutral values (``n: 1``,
+``logprobs: false``, ``tools: []``...) are accepted, as SDKs send them.
+Fields nobody here knows are ignored, as vLLM ignores them (SDKs add
+vendor fields through ``extra_body``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from tokenmesh.v1 import inference_pb2
+from tokenmesh_gateway._errors import invalid
+
+Kind = Literal["chat", "completion"]
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+"""Chat roles accepted, and the mesh's role for each (OpenAI's "developer" is a system message)."""
+
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+
+# field -> values that ask for nothing the mesh cannot do
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "logprobs": (None, False),  # chat: a bool; completions: a count (0 still asks for one)
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A checked request: what to ask the mesh, and how to answer."""
+
+    kind: Kind
+    request: inference_pb2.GenerateRequest
+    stream: bool
+    include_usage: bool
+    """stream_options.include_usage: a last chunk with the usage and no choices."""
+    continuous_usage: bool
+    """stream_options.continuous_usage_stats (with include_usage): the usage so far on every chunk."""
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """The JSON object in body; 400 for bytes that are not UTF-8, not JSON or not an object."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid(f"the request body is not UTF-8 (byte {exc.start}): send JSON encoded as UTF-8") from None
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise invalid(f"the request body must be a JSON object, got {_type_name(value)}")
+    return value
+
+
+def parse(body: dict[str, Any], kind: Kind, default_model: str = "") -> Parsed:
+    """Check body (a decoded Chat Completions or Completions request) and build the mesh's request."""
+    for name, neutral in _NEUTRAL.items():
+        if name in body and not _is_neutral(body[name], neutral):
+            raise invalid(f"{name} is not supported by tokenmesh (got {_short(body[name])}); leave it out", name)
+    request = inference_pb2.GenerateRequest(model=_string(body, "model") or default_model)
+    if kind == "chat":
+        if "prompt" in body:
+            raise invalid("prompt belongs to /v1/completions; send messages here", "prompt")
+        _messages(body, request)
+    else:
+        if "messages" in body:
+            raise invalid("messages belongs to /v1/chat/completions; send prompt here", "messages")
+        request.prompt = _prompt(body)
+    max_tokens = _integer(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens")
+        limit_name = "max_tokens"
+    else:
+        limit_name = "max_completion_tokens"
+    if max_tokens is not None:
+        if not 1 <= max_tokens <= UINT32_MAX:
+            raise invalid(f"{limit_name} must be at least 1 and at most the model's context, got {max_tokens}",
+                          limit_name)
+        request.max_tokens = max_tokens
+    for name in ("temperature", "top_p"):
+        number = _number(body, name)
+        if number is not None:
+            setattr(request, name, number)
+    seed = _integer(body, "seed")
+    if seed is not None:
+        if not 0 <= seed <= UINT64_MAX:
+            raise invalid(f"seed must be 0..{UINT64_MAX}, got {seed}", "seed")
+        request.seed = seed
+    request.stop.extend(_stop(body))
+    request.ignore_eos = _boolean(body, "ignore_eos")
+    user = _string(body, "user")
+    if user:
+        request.labels["user"] = user
+    stream = _boolean(body, "stream")
+    include_usage = continuous = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise invalid(f"stream_options must be an object, got {_type_name(options)}", "stream_options")
+        if not stream:
+            raise invalid("stream_options can only be set with stream: true", "stream_options")
+        include_usage = _boolean(options, "include_usage", "stream_options.")
+        continuous = _boolean(options, "continuous_usage_stats", "stream_options.") and include_usage
+    return Parsed(kind, request, stream, include_usage, continuous)
+
+
+def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """include_usage and continuous_usage_stats of a body's stream_options (for a POST that resumes)."""
+    options = body.get("stream_options")
+    if not isinstance(options, dict):
+        return False, False
+    include = _boolean(options, "include_usage", "stream_options.")
+    return include, include and _boolean(options, "continuous_usage_stats", "stream_options.")
+
+
+def _messages(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise invalid(f"messages must be a list of {{role, content}} objects, got {_type_name(messages)}", "messages")
+    if not messages:
+        raise invalid("messages is empty: send at least one {role, content}", "messages")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(f"{where} must be an object with role and content, got {_type_name(message)}", where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise invalid(f"{where}.role is {_short(role)}; use system, user or assistant", f"{where}.role")
+        request.messages.add(role=ROLES[role], content=_content(message.get("content"), f"{where}.content"))
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's text: a string, or a list of {type: "text", text} parts (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+                raise invalid(f"{where}[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}; tokenmesh takes "
+                              f"text only (got {_short(kind)})", f"{where}[{j}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"{where} must be a string or a list of text parts, got {_type_name(content)}", where)
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise invalid("prompt must be a string or a list of one string (one prompt per request; token ids "
+                          f"are not accepted), got a list of {len(prompt)}", "prompt")
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise invalid(f"prompt must be a string, got {_type_name(prompt)}", "prompt")
+    if not prompt:
+        raise invalid("prompt is empty", "prompt")
+    return prompt
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise invalid(f"stop must be a string, a list of strings or null, got {_type_name(stop)}", "stop")
+
+
+def _string(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise invalid(f"{name} must be a string, got {_type_name(value)}", name)
+    return value
+
+
+def _integer(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{name} must be an integer, got {_short(value)}", name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid(f"{name} must be a number, got {_short(value)}", name)
+    return float(value)
+
+
+def _boolean(body: dict[str, Any], name: str, prefix: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise invalid(f"{prefix}{name} must be true or false, got {_short(value)}", f"{prefix}{name}")
+    return value
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether value is one of the neutral values: numbers compare as numbers, but a bool is never a number."""
+    if value is None:
+        return True
+    for candidate in neutral:
+        if isinstance(candidate, bool) or isinstance(value, bool):
+            if value is candidate:
+                return True
+        elif isinstance(candidate, int | float) and isinstance(value, int | float):
+            if value == candidate:
+                return True
+        elif type(value) is type(candidate) and value == candidate:
+            return True
+    return False
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _short(value: Any) -> str:
+    text = orjson.dumps(value).decode() if value is not None else "null"
+    return text if len(text) <= 60 else text[:57] + "..."
+

@@ -1,0 +1,213 @@
+"""The HTTP gateway against the real mesh: the openai SDK and SmolLM2, resume, disconnects, a router killed.
+
+SmolLM2 (``tokenmesh up``'s mesh with its gateway) for the SDK and for
+drops; the synthetic engine, with every service started one by one as
+Kubernetes runs them, for the router killed mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from tokenmesh.client import Client
+from tokenmesh.mesh import Child, Mesh, MeshConfig
+from tokenmesh.process import stop_process
+from tokenmesh.v1 import inference_pb2, router_pb2, router_pb2_grpc
+from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
+
+from ..unit.gateway_helpers import events, text_after, text_of
+from .conftest import MeshHandle, left_behind, mesh_pids, running_mesh, wait_all_serving
+
+pytestmark = pytest.mark.integration
+
+FRANCE = "What is the capital of France?"
+# SmolLM2's chat template (ChatML, no default system prompt), rendered by hand for /v1/completions.
+FRANCE_PROMPT = f"<|im_start|>user\n{FRANCE}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshHandle]:
+    with running_mesh(tmp_path_factory.mktemp("gateway-mesh"), gateway_port=0) as handle:
+        yield handle
+
+
+def url_of(mesh: MeshHandle) -> str:
+    assert mesh.mesh.gateway is not None
+    return str(mesh.mesh.gateway.info["url"])
+
+
+def in_flight(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        table = router_pb2_grpc.RouterStub(channel).GetRoutingTable(router_pb2.GetRoutingTableRequest(), timeout=5)
+    return sum(w.in_flight for w in table.workers)
+
+
+def test_the_openai_sdk_streams_paris_through_the_gateway(mesh: MeshHandle) -> None:
+    client = openai.OpenAI(base_url=url_of(mesh), api_key="x", max_retries=0)
+    chunks = list(client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": FRANCE}], temperature=0, max_tokens=48, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "Paris" in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None and usage.prompt_tokens > 0 and usage.completion_tokens > 0
+
+    parts = list(client.completions.create(model="smollm2", prompt=FRANCE_PROMPT, temperature=0, max_tokens=48,
+                                           stream=True, stream_options={"include_usage": True}))
+    assert "Paris" in "".join(p.choices[0].text for p in parts if p.choices)
+    assert parts[-1].usage is not None and parts[-1].usage.completion_tokens > 0
+
+    whole = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": FRANCE}],
+                                           temperature=0, max_tokens=48)
+    assert "Paris" in (whole.choices[0].message.content or "") and whole.usage is not None
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2"] and models.data[0].model_extra["max_model_len"] > 0
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model="smollm2", prompt="hi", max_tokens=10**6)
+    assert too_long.value.param == "max_tokens"
+
+
+def test_a_dropped_resumable_stream_continues_with_last_event_id(mesh: MeshHandle) -> None:
+    url = url_of(mesh)
+    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        with http.stream("POST", "/completions", json=body, headers={"X-Request-Id": "drop-1"}) as response:
+            raw = b""
+            for piece in response.iter_raw():
+                raw += piece
+                if raw.count(b"\nid: ") >= 8:
+                    break
+        # The connection is closed here, mid-stream; what the caller holds whole ends at the last blank line.
+        held = raw[:raw.rindex(b"\n\n") + 2]
+        last_id = [e["id"] for e in events(held) if "id" in e][-1]
+        rest = http.get("/completions/drop-1/stream", headers={"Last-Event-ID": last_id})
+        assert rest.status_code == 200 and rest.content.endswith(b"data: [DONE]\n\n")
+        whole = http.get("/completions/drop-1/stream")  # the whole generation, replayed from the worker
+    seq = int(last_id.rpartition(":")[2])
+    assert text_of(rest.content) == text_after(whole.content, seq)
+    assert text_of(held) + text_of(rest.content) == text_of(whole.content)
+    assert [e["id"] for e in events(rest.content) if "id" in e][0] == f"drop-1:{seq + 1}"
+
+
+def test_a_dropped_stream_without_request_id_frees_the_engine_slot_within_a_second(mesh: MeshHandle) -> None:
+    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=url_of(mesh), timeout=60) as http:
+        with http.stream("POST", "/completions", json=body) as response:
+            pieces = response.iter_raw()  # one iterator, kept: closing it would close the connection
+            raw = b""
+            while raw.count(b"\nid: ") < 3:
+                raw += next(pieces)
+            assert in_flight(mesh.address) == 1
+            dropped = time.monotonic()
+    while in_flight(mesh.address) and time.monotonic() - dropped < 5:
+        time.sleep(0.02)
+    assert in_flight(mesh.address) == 0
+    assert time.monotonic() - dropped < 1
+
+
+# -- a router killed under a gateway stream (services one by one, synthetic engine) ----------------------
+
+
+def spawn_mesh(mesh: Mesh, routers: list[Child], tmp_path: Path) -> None:
+    """2 synthetic workers, 3 routers, a prober over all, a gateway over the first two; all SERVING."""
+    for i in range(2):
+        mesh.workers.append(mesh.spawn(f"worker-{i}", "worker", "--port", "0", "--work-dir",
+                                       str(tmp_path / f"worker-{i}"), "--model-repository",
+                                       str(SHIPPED_REPOSITORIES["synthetic"])))
+    mesh.wait_ready(mesh.workers)
+    workers = ",".join(w.address for w in mesh.workers)
+    routers += [mesh.spawn(f"router-{i}", "router", "--port", "0", "--workers", workers) for i in range(3)]
+    mesh.wait_ready(routers)
+    mesh.prober = mesh.spawn("prober", "prober", "--port", "0", "--workers", workers,
+                             "--routers", ",".join(r.address for r in routers))
+    mesh.gateway = mesh.spawn("gateway", "gateway", "--port", "0", "--routers",
+                              f"{routers[0].address},{routers[1].address}")
+    mesh.wait_ready([mesh.prober, mesh.gateway])
+    for router in routers:
+        with grpc.insecure_channel(router.address) as channel:
+            wait_all_serving(channel, 2)
+
+
+def the_router_streaming(routers: list[Child]) -> Child:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        busy = [r for r in routers if r.proc.poll() is None and in_flight(r.address) > 0]
+        if len(busy) == 1:
+            return busy[0]
+        time.sleep(0.02)
+    raise AssertionError("no single router holds the stream")
+
+
+def synthetic_text(count: int) -> str:
+    return "".join(f" t{i}" for i in range(count))
+
+
+def test_a_router_killed_mid_stream_is_invisible_to_http_and_grpc_callers(tmp_path: Path) -> None:
+    mesh = Mesh(MeshConfig(port=0, log_dir=str(tmp_path / "logs")))
+    routers: list[Child] = []
+    pids: list[int] = []
+    try:
+        spawn_mesh(mesh, routers, tmp_path)
+        pids = mesh_pids(mesh) + [r.proc.pid for r in routers]
+        assert mesh.gateway is not None
+        tokens = 3000  # 3 s at the synthetic engine's 1,000 tokens/s
+        body = {"prompt": "long", "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
+        killed: list[Child] = []
+        with httpx.Client(base_url=str(mesh.gateway.info["url"]), timeout=60) as http:
+            with http.stream("POST", "/completions", json=body) as response:
+                assert response.status_code == 200
+                raw = b""
+                for piece in response.iter_raw():
+                    raw += piece
+                    if not killed and raw.count(b"\nid: ") >= 20:
+                        victim = the_router_streaming(routers[:2])
+                        os.kill(victim.proc.pid, signal.SIGKILL)
+                        killed.append(victim)
+        assert killed, "the stream ended before a router could be killed"
+        assert b'"error"' not in raw and raw.endswith(b"data: [DONE]\n\n")
+        assert text_of(raw) == synthetic_text(tokens)  # every token exactly once, in order
+        seqs = [int(e["id"].rpartition(":")[2]) for e in events(raw) if "id" in e]
+        assert seqs == list(range(1, len(seqs) + 1))
+
+        # The same for tokenmesh.client used directly, over the two routers still alive.
+        alive = [r.address for r in routers if r is not killed[0]]
+
+        async def direct() -> list[inference_pb2.GenerateChunk]:
+            chunks: list[inference_pb2.GenerateChunk] = []
+            async with Client(alive) as client:
+                request = inference_pb2.GenerateRequest(prompt="long", max_tokens=tokens)
+                async for chunk in client.generate(request):
+                    chunks.append(chunk)
+                    if len(chunks) == 20:
+                        victim = the_router_streaming([r for r in routers if r.address in alive])
+                        os.kill(victim.proc.pid, signal.SIGKILL)
+                        killed.append(victim)
+            return chunks
+
+        chunks = asyncio.run(direct())
+        assert len(killed) == 2
+        assert [c.seq for c in chunks] == list(range(1, len(chunks) + 1))
+        assert "".join(c.text for c in chunks) == synthetic_text(tokens)
+        assert chunks[-1].usage.completion_tokens == tokens
+    finally:
+        pids = pids or [c.proc.pid for c in (*mesh.children(), *routers)]
+        for router in routers:
+            if router.proc.poll() is None:
+                router.proc.terminate()
+        mesh.stop()
+        for router in routers:
+            stop_process(router.proc, 10)
+    assert not left_behind(pids)
