@@ -38,14 +38,18 @@ MODES = ("off", "tls", "mtls")
 SPIFFE_PREFIX = "spiffe://tokenmesh/"
 
 ALLOWED: dict[str, frozenset[str] | None] = {
-    "/tokenmesh.v1.Control/": frozenset({"prober", "router"}),
+    "/tokenmesh.v1.Control/": frozenset({"prober"}),
     "/tokenmesh.v1.Worker/": frozenset({"router", "prober"}),
     "/tokenmesh.v1.Inference/": None,
     "/tokenmesh.v1.Router/": None,
     "/grpc.health.v1.Health/": None,
     "/grpc.reflection.v1alpha.ServerReflection/": None,
 }
-"""The roles each RPC group accepts (None: any identity the CA signed). A method in no group is refused."""
+"""The roles each RPC group accepts (None: any identity the CA signed). A method in no group is refused.
+
+A router run as several processes also takes ``Control`` from the router identity: its siblings pass each
+table on. A router run as one process has no siblings, and refuses it: another router pushing it weights
+is someone else's router."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +97,7 @@ class Tls:
     Args:
         settings: the service's ``--tls-*`` settings (checked already).
         allowed_clients: with mtls, the identities ``Inference`` accepts (empty: any the CA signed).
+        siblings: this router runs as several processes, which pass weight tables on to each other.
 
     """
 
@@ -101,9 +106,12 @@ class Tls:
     """Told the RPC group of each refused call (the service counts them in its metrics)."""
     _settings: TlsSettings
     _allowed_clients: frozenset[str]
+    _siblings: bool
 
-    def __init__(self, settings: TlsSettings, allowed_clients: tuple[str, ...] = ()) -> None:
+    def __init__(self, settings: TlsSettings, allowed_clients: tuple[str, ...] = (), *,
+                 siblings: bool = False) -> None:
         self.mode = settings.tls_mode
+        self._siblings = siblings
         self._settings = settings
         self._allowed_clients = frozenset(allowed_clients)
         self.denied = lambda group: None
@@ -163,6 +171,8 @@ class Tls:
             self.denied("unknown")
             raise PermissionDenied(f"{method} is not served to peers ({shown})")
         allowed = ALLOWED[group]
+        if group == "/tokenmesh.v1.Control/" and self._siblings:
+            allowed = frozenset({"prober", "router"})
         label = group.strip("/").removeprefix("tokenmesh.v1.")
         if group == "/tokenmesh.v1.Inference/" and self._allowed_clients:
             if not set(uris) & self._allowed_clients:

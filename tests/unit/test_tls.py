@@ -105,7 +105,7 @@ async def test_mutual_tls_end_to_end_and_every_bad_peer_refused(mesh: TlsMesh, t
         assert (await generate(channel))[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
 
 
-@pytest.mark.parametrize("identity", ["client", "worker", "gateway"])
+@pytest.mark.parametrize("identity", ["client", "worker", "gateway", "router"])
 async def test_push_weights_from_an_identity_that_may_not_is_permission_denied(mesh: TlsMesh, identity: str) -> None:
     before = mesh.router.pool.version
     async with mesh.channel(identity) as channel:
@@ -116,7 +116,7 @@ async def test_push_weights_from_an_identity_that_may_not_is_permission_denied(m
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert f"identity spiffe://tokenmesh/{identity} may not call /tokenmesh.v1.Control/PushWeights" in (
         info.value.details() or "")
-    assert mesh.router.pool.version == before  # no weight changed
+    assert mesh.router.pool.version == before  # no weight changed (a one-process router has no sibling routers)
     denied = mesh.router.metrics.denied.labels("Control")._value.get()  # noqa: SLF001 - the counter's value
     assert denied == 1
 
@@ -188,3 +188,18 @@ def test_bad_certificate_settings_name_the_file(tmp_path: Path) -> None:
         RouterConfig(workers=("a:1",), tls_mode="ssl")
     make_ca(tmp_path / "ca-only")  # a CA alone makes no service certificate
     assert not (tmp_path / "ca-only" / "router.crt").exists()
+
+
+def test_a_bad_key_file_at_start_is_one_line_naming_it_and_exit_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    folder = make_dev_certs(tmp_path / "certs")
+    missing = tmp_path / "gone.key"
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenmesh", "router", "--workers", "127.0.0.1:1", "--tls-mode", "mtls",
+         "--tls-cert", str(folder / "router.crt"), "--tls-key", str(missing), "--tls-ca", str(folder / "ca.crt")],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"tokenmesh router: error: --tls-key {missing}: cannot read it "
+                                                "(No such file or directory)"]

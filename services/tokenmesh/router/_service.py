@@ -166,7 +166,7 @@ class Router(Service):
             router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
             router_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
         ]
-        self.tls = Tls(config, config.tls_allowed_clients)
+        self.tls = Tls(config, config.tls_allowed_clients, siblings=config.processes > 1)
         host = ServiceHost(config.host, config.port, names, shared_port=config.processes > 1,
                            health_port=config.health_port, tls=self.tls,
                            max_streams_per_connection=config.max_streams_per_connection)
