@@ -23,6 +23,8 @@ class GatewayConfig(TlsSettings):
                                      "tenant becomes the generation's tenant label; empty = no keys")
     default_model: str = setting("", "model for requests that name none; empty = the mesh's default model")
     max_body_bytes: int = setting(1024 * 1024, "largest request body, in bytes; a larger one gets 413")
+    max_header_bytes: int = setting(32 * 1024, "largest request line plus headers, in bytes; more gets 431 and "
+                                               "the connection closed")
     keepalive_s: float = setting(15.0, "a stream silent this long gets a ': keep-alive' comment line (proxies "
                                        "drop idle connections)")
     timeout_s: float = setting(0.0, "longest a generation may take, retries and resumes included (504 before "
@@ -43,6 +45,8 @@ class GatewayConfig(TlsSettings):
             check(not problem, f"router address {address!r}: {problem}")
         check(1024 <= self.max_body_bytes <= 64 * 1024 * 1024,
               f"max_body_bytes must be 1024..67108864, got {self.max_body_bytes}")
+        check(1024 <= self.max_header_bytes <= 1024 * 1024,
+              f"max_header_bytes must be 1024..1048576, got {self.max_header_bytes}")
         check(0 < self.keepalive_s <= 3600, f"keepalive_s must be in (0, 3600], got {self.keepalive_s}")
         check(self.timeout_s >= 0, f"timeout_s must be >= 0 (0 = no limit), got {self.timeout_s}")
         check(self.retry_deadline_s > 0, f"retry_deadline_s must be > 0, got {self.retry_deadline_s}")

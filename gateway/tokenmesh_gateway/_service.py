@@ -103,10 +103,13 @@ class Gateway:
             self.port = int(self._socket.getsockname()[1])
             import uvicorn  # here: every `tokenmesh` command builds the parser that imports this package
 
+            from tokenmesh_gateway._protocol import bounded
+
             https = cfg.tls_mode != "off"  # HTTPS; with mtls callers must present a certificate the CA signed
             server = self._server = uvicorn.Server(uvicorn.Config(
-                self.app, http="httptools", ws="none", lifespan="off", interface="asgi3", access_log=False,
-                log_config=None, proxy_headers=False, server_header=False, timeout_graceful_shutdown=STOP_GRACE_S,
+                self.app, http=bounded(cfg.max_header_bytes), ws="none", lifespan="off", interface="asgi3",
+                access_log=False, log_config=None, proxy_headers=False, server_header=False,
+                timeout_graceful_shutdown=STOP_GRACE_S,
                 ssl_certfile=cfg.tls_cert if https else None, ssl_keyfile=cfg.tls_key if https else None,
                 ssl_ca_certs=cfg.tls_ca if https else None,
                 ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_mode == "mtls" else ssl.CERT_NONE,

@@ -198,3 +198,28 @@ def test_the_gateway_command_checks_its_config() -> None:
     bad = subprocess.run([sys.executable, "-m", "tokenmesh", "gateway", "--check-config"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "at least one router" in bad.stderr
+
+
+async def test_headers_over_the_limit_get_431_and_the_gateway_serves_on() -> None:
+    import asyncio
+
+    from .conftest import in_process_mesh
+    from .gateway_helpers import gateway_over
+
+    async with in_process_mesh() as mesh, gateway_over(mesh, max_header_bytes=4096) as gateway:
+        host, port = gateway.address.rsplit(":", 1)
+
+        async def ask(extra: bytes) -> bytes:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n" + extra + b"\r\n")
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 5)  # the gateway closes the connection either way
+            writer.close()
+            return answer
+
+        big = await ask(b"X-Big: " + b"a" * 2_000_000 + b"\r\n")
+        assert big.startswith(b"HTTP/1.1 431 ") and b"request_header_fields_too_large" in big
+        many = await ask(b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 60) for i in range(100)))
+        assert many.startswith(b"HTTP/1.1 431 ")
+        ok = await ask(b"Connection: close\r\nX-Small: " + b"a" * 1000 + b"\r\n")
+        assert ok.startswith(b"HTTP/1.1 200 ")
