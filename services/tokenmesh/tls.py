@@ -107,6 +107,8 @@ class Tls:
     _settings: TlsSettings
     _allowed_clients: frozenset[str]
     _siblings: bool
+    _seen: tuple[bytes, bytes, bytes] | None
+    """The certificate files as :meth:`files_changed` last saw them."""
 
     def __init__(self, settings: TlsSettings, allowed_clients: tuple[str, ...] = (), *,
                  siblings: bool = False) -> None:
@@ -115,11 +117,23 @@ class Tls:
         self._settings = settings
         self._allowed_clients = frozenset(allowed_clients)
         self.denied = lambda group: None
+        self._seen = None
 
     @property
     def on(self) -> bool:
         """Whether connections are TLS."""
         return self.mode != "off"
+
+    def files_changed(self) -> bool:
+        """Whether the certificate files differ from when this was last asked (first call: False)."""
+        if not self.on:
+            return False
+        try:
+            now = self._files()
+        except OSError:  # half-written by the renewer: ask again later
+            return False
+        seen, self._seen = self._seen, now
+        return seen is not None and now != seen
 
     def _files(self) -> tuple[bytes, bytes, bytes]:
         s = self._settings

@@ -42,7 +42,10 @@ class TlsMesh:
 
 
 @pytest.fixture
-async def mesh(tmp_path: Path) -> AsyncIterator[TlsMesh]:
+async def mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[TlsMesh]:
+    from tokenmesh.router import _service
+
+    monkeypatch.setattr(_service, "CERTIFICATE_POLL_S", 0.1)  # the router looks for renewed files often
     folder = make_dev_certs(tmp_path / "certs")
     backends = [FakeBackend(delay=0.01), FakeBackend(delay=0.01)]
     workers = [Worker(WorkerConfig(port=0, drain_grace_s=0.5, **tls_flags(folder, "worker")), backend=b)
@@ -162,6 +165,8 @@ async def test_renewed_certificates_reach_new_connections_and_live_streams_go_on
             issue(mesh.folder, role, ca)
         renewed = await asyncio.to_thread(served_serial, address, mesh.folder)
         assert renewed != first
+        before = dict(mesh.router._channels)  # noqa: SLF001 - the router's channels to its workers
+        await wait_until(lambda: all(mesh.router._channels[a] is not c for a, c in before.items()), timeout=5)  # noqa: SLF001
         assert renewed == x509.load_pem_x509_certificate((mesh.folder / "router.crt").read_bytes()).serial_number
         while (chunk := await stream.read()) is not grpc.aio.EOF:
             seqs.append(chunk.seq)

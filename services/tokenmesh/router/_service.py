@@ -37,6 +37,9 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_p
 
 log = logging.getLogger(__name__)
 
+CERTIFICATE_POLL_S = 10.0
+"""How often the router looks whether its certificate files were renewed (its channels to workers follow)."""
+
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -151,6 +154,8 @@ class Router(Service):
     _new_workers: asyncio.Queue[str]
     _watches: dict[str, asyncio.Task[Any]]
     """Each worker's health watch task (cancelled when discovery drops the worker)."""
+    _retired: list[grpc.aio.Channel]
+    """Channels replaced after a certificate renewal (open until the router stops: their streams run on)."""
     _closing: set[asyncio.Task[None]]
     """Channels of dropped workers being closed."""
     discovery: Discovery | None
@@ -202,6 +207,7 @@ class Router(Service):
         router_pb2_grpc.add_ControlServicer_to_server(control, host.server)
         self._watches = {}
         self._closing = set()
+        self._retired = []
         self.discovery = None
         if config.discovery == "dns":
             resolver = DnsResolver(config.discovery_dns_server)
@@ -239,6 +245,26 @@ class Router(Service):
             closing = asyncio.create_task(self._channels.pop(entry.address).close())
             self._closing.add(closing)  # held until done, so it is not collected mid-close
             closing.add_done_callback(self._closing.discard)
+
+    async def _follow_certificates(self) -> None:
+        """Renewed certificate files: new channels to every worker, so new calls present the new certificate.
+
+        The old channels stay open until the router stops: the streams on them
+        run to their end on the connection they started on.
+        """
+        self.tls.files_changed()
+        while True:
+            await asyncio.sleep(CERTIFICATE_POLL_S)
+            if not self.tls.files_changed():
+                continue
+            log.info("TLS certificate files changed: new channels to %d workers", len(self._channels))
+            for address, old in list(self._channels.items()):
+                channel = self.tls.channel(address, WORKER_CHANNEL_OPTIONS)
+                self._channels[address] = channel
+                self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
+                self._retired.append(old)
+                self._watches.pop(address).cancel()
+                self._watches[address] = self.spawn(self._watch_worker(address, channel), f"health watch {address}")
 
     async def _rediscover(self) -> None:
         assert self.discovery is not None
@@ -285,6 +311,8 @@ class Router(Service):
             for address in self.config.workers:
                 self._watch(address)
         self.spawn(self._add_workers(), "worker discovery")
+        if self.tls.on:
+            self.spawn(self._follow_certificates(), "certificate renewals")
         if self.peers is not None:
             self.peers.register(self.host.private_address)
             if self.config.process_index == 0:
@@ -334,7 +362,7 @@ class Router(Service):
         await asyncio.to_thread(self.tracing.shutdown)  # exports what is pending (blocking I/O)
         self.inference.spares.close()
         self.inference.cancels.close()
-        for channel in self._channels.values():
+        for channel in [*self._channels.values(), *self._retired]:
             await channel.close()
         for sibling in self._siblings:
             await asyncio.to_thread(stop_process, sibling, 10.0)
