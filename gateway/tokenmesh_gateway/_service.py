@@ -24,6 +24,7 @@ import grpc
 
 from tokenmesh.client import Client
 from tokenmesh.server import write_ready_file
+from tokenmesh.tls import Tls
 from tokenmesh.tracing import Tracing
 from tokenmesh_gateway._app import GatewayApp
 from tokenmesh_gateway._auth import load_keys
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CERTIFICATE_POLL_S = 10.0
+"""How often the gateway looks whether its certificate files were renewed (its calls to routers follow)."""
 STOP_GRACE_S = 2
 """After the drain, how long uvicorn gives what is left (answers being written) before it cancels them."""
 
@@ -50,6 +53,7 @@ class Gateway:
     app: GatewayApp | None
     client: Client | None
     tracing: Tracing | None
+    _renewals: asyncio.Task[None] | None
     port: int
     """The bound port (after :meth:`start`)."""
     _server: uvicorn.Server | None
@@ -63,6 +67,7 @@ class Gateway:
         self.app = None
         self.client = None
         self.tracing = None
+        self._renewals = None
         self.port = 0
         self._server = None
         self._socket = None
@@ -89,13 +94,10 @@ class Gateway:
         try:
             keys = load_keys(self.config.api_keys_file) if self.config.api_keys_file else None
             cfg = self.config
-            credentials = None
-            if cfg.tls_mode != "off":  # to the routers as the gateway identity (mtls), verifying them (both)
-                files = [Path(f).read_bytes() for f in (cfg.tls_ca, cfg.tls_key, cfg.tls_cert)]
-                credentials = (grpc.ssl_channel_credentials(*files) if cfg.tls_mode == "mtls"
-                               else grpc.ssl_channel_credentials(files[0]))
             self.client = Client(cfg.routers, retry_deadline_s=cfg.retry_deadline_s, max_resumes=cfg.max_resumes,
-                                 credentials=credentials)
+                                 credentials=self._router_credentials())
+            if cfg.tls_mode != "off":
+                self._renewals = asyncio.create_task(self._follow_certificates(), name="gateway:certificates")
             self.tracing = Tracing("gateway")
             self.app = GatewayApp(self.client, self.config, keys)
             self.app.tracer = self.tracing.tracer
@@ -125,6 +127,30 @@ class Gateway:
             await self.shutdown()
             raise
 
+    def _router_credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS to the routers as the gateway identity (mtls), verifying them (tls and mtls); None: plaintext."""
+        cfg = self.config
+        if cfg.tls_mode == "off":
+            return None
+        files = [Path(f).read_bytes() for f in (cfg.tls_ca, cfg.tls_key, cfg.tls_cert)]
+        return (grpc.ssl_channel_credentials(*files) if cfg.tls_mode == "mtls"
+                else grpc.ssl_channel_credentials(files[0]))
+
+    async def _follow_certificates(self) -> None:
+        """Renewed certificate files reach the calls to routers.
+
+        The HTTPS port keeps its certificate until a restart: uvicorn reads it once.
+        """
+        files = Tls(self.config)
+        files.files_changed()
+        while True:
+            await asyncio.sleep(CERTIFICATE_POLL_S)
+            if files.files_changed() and self.client is not None:
+                credentials = self._router_credentials()
+                assert credentials is not None
+                self.client.renew(credentials)
+                log.info("TLS certificate files changed: new channels to the routers")
+
     async def shutdown(self) -> None:
         """Drain and stop. Idempotent: a second caller waits for the first shutdown to finish."""
         if self._shutdown_task is None:
@@ -132,6 +158,8 @@ class Gateway:
         await asyncio.shield(self._shutdown_task)
 
     async def _shutdown(self) -> None:
+        if self._renewals is not None:
+            self._renewals.cancel()
         loop = asyncio.get_running_loop()
         began = loop.time()
         try:

@@ -208,3 +208,57 @@ def test_a_bad_key_file_at_start_is_one_line_naming_it_and_exit_2(tmp_path: Path
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"tokenmesh router: error: --tls-key {missing}: cannot read it "
                                                 "(No such file or directory)"]
+
+
+async def test_the_prober_reconnects_with_renewed_certificates_and_its_tables_keep_reaching_the_router(
+    mesh: TlsMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenmesh.prober import Prober, ProberConfig, _prober
+
+    monkeypatch.setattr(_prober, "CERTIFICATE_POLL_S", 0.1)
+    prober = Prober(ProberConfig(port=0, workers=tuple(w.host.address for w in mesh.workers),
+                                 routers=(mesh.router.host.address,), interval_s=0.1,
+                                 **tls_flags(mesh.folder, "prober")))
+    await prober.start()
+    try:
+        await wait_until(lambda: prober.table.version > 0 and mesh.router.pool.version == prober.table.version
+                         and all(w.weight > 0 for w in prober.table.workers), timeout=10)
+        before = {a: c for a, (c, _) in prober._links.items()}  # noqa: SLF001 - its channels
+        issue(mesh.folder, "prober", load_ca(mesh.folder))
+        await wait_until(lambda: all(prober._links[a][0] is not c for a, c in before.items()), timeout=5)  # noqa: SLF001
+        await wait_until(lambda: all(link.connected for link in prober.routers.values()), timeout=5)
+        # Workers stay weighed (no table dropped them while reconnecting), and the router has the latest table.
+        assert all(w.weight > 0 for w in prober.table.workers)
+        await wait_until(lambda: mesh.router.pool.version == prober.table.version, timeout=5)
+        assert prober.failure is None
+    finally:
+        await prober.shutdown()
+
+
+async def test_the_gateway_renews_its_channels_to_the_routers(mesh: TlsMesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+
+    from tokenmesh_gateway import Gateway, GatewayConfig
+    from tokenmesh_gateway import _service as gateway_service
+
+    monkeypatch.setattr(gateway_service, "CERTIFICATE_POLL_S", 0.1)
+    gateway = Gateway(GatewayConfig(port=0, routers=(mesh.router.host.address,), **tls_flags(mesh.folder, "gateway")))
+    await gateway.start()
+    try:
+        with_cert = ssl.create_default_context(cafile=str(mesh.folder / "ca.crt"))
+        with_cert.load_cert_chain(str(mesh.folder / "client.crt"), str(mesh.folder / "client.key"))
+        async with httpx.AsyncClient(verify=with_cert) as http:
+            body = {"prompt": "hi", "max_tokens": 3}
+            assert (await http.post(f"{gateway.url}/completions", json=body)).status_code == 200
+            assert gateway.client is not None
+            before = dict(gateway.client._channels)  # noqa: SLF001 - its channels to the routers
+            issue(mesh.folder, "gateway", load_ca(mesh.folder))
+            await wait_until(lambda: gateway.client is not None and not gateway.client._channels, timeout=5)  # noqa: SLF001
+            assert (await http.post(f"{gateway.url}/completions", json=body)).status_code == 200
+            assert all(gateway.client._channels[a] is not c for a, c in before.items())  # noqa: SLF001
+        without = ssl.create_default_context(cafile=str(mesh.folder / "ca.crt"))
+        async with httpx.AsyncClient(verify=without) as http:  # no client certificate: refused
+            with pytest.raises(httpx.HTTPError):
+                await http.post(f"{gateway.url}/completions", json={"prompt": "hi", "max_tokens": 3})
+    finally:
+        await gateway.shutdown()

@@ -70,6 +70,8 @@ class Client:
     initial_backoff_s: float
     _background: set[asyncio.Task[Any]]
     _credentials: grpc.ChannelCredentials | None
+    _retired: list[grpc.aio.Channel]
+    """Channels replaced by :meth:`renew`, open until :meth:`close` (their streams run on)."""
 
     def __init__(
         self,
@@ -96,6 +98,7 @@ class Client:
         self.initial_backoff_s = initial_backoff_s
         self._background = set()
         self._credentials = credentials
+        self._retired = []
 
     async def __aenter__(self) -> Self:
         return self
@@ -109,8 +112,19 @@ class Client:
         """Close every channel (cancels still on their way are given a moment)."""
         if self._background:
             await asyncio.wait(self._background, timeout=2)
-        for channel in self._channels.values():
+        for channel in [*self._channels.values(), *self._retired]:
             await channel.close()
+        self._channels.clear()
+        self._retired.clear()
+
+    def renew(self, credentials: grpc.ChannelCredentials) -> None:
+        """New credentials (renewed certificates) for every call from now on.
+
+        New channels are opened as calls need them; the old ones stay open until
+        :meth:`close`, so streams already running finish on them.
+        """
+        self._credentials = credentials
+        self._retired.extend(self._channels.values())
         self._channels.clear()
 
     # -- routers ------------------------------------------------------------

@@ -33,6 +33,9 @@ from tokenmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grp
 
 log = logging.getLogger(__name__)
 
+CERTIFICATE_POLL_S = 10.0
+"""How often the prober looks whether its certificate files were renewed (its channels follow)."""
+
 
 @dataclass
 class _RouterLink:
@@ -264,18 +267,43 @@ class Prober(Service):
     def _add_worker(self, address: str, found_by: str = "") -> None:
         if address in self.views:
             return
-        view = self.views[address] = WorkerView(address)
-        channel = self.tls.channel(address, CHANNEL_OPTIONS)
-        self._links[address] = (channel, [self.spawn(self._watch_health(view, channel), f"health watch {address}"),
-                                          self.spawn(self._watch_stats(view, channel), f"stats {address}")])
+        self.views[address] = WorkerView(address)
+        self._connect(address)
         self._changed.set()
 
     def _add_router(self, address: str, found_by: str = "") -> None:
         if address in self.routers:
             return
-        link = self.routers[address] = _RouterLink(address)
+        self.routers[address] = _RouterLink(address)
+        self._connect(address)
+
+    def _connect(self, address: str) -> None:
+        """A channel to a worker or router (from the certificate files as they are now) and the loops on it."""
         channel = self.tls.channel(address, CHANNEL_OPTIONS)
-        self._links[address] = (channel, [self.spawn(self._push(link, channel), f"weight push {address}")])
+        view, link = self.views.get(address), self.routers.get(address)
+        if view is not None:
+            tasks = [self.spawn(self._watch_health(view, channel), f"health watch {address}"),
+                     self.spawn(self._watch_stats(view, channel), f"stats {address}")]
+        else:
+            assert link is not None
+            tasks = [self.spawn(self._push(link, channel), f"weight push {address}")]
+        self._links[address] = (channel, tasks)
+
+    async def _follow_certificates(self) -> None:
+        """Renewed certificate files: reconnect to every worker and router with the new certificate."""
+        self.tls.files_changed()
+        while True:
+            await asyncio.sleep(CERTIFICATE_POLL_S)
+            if not self.tls.files_changed():
+                continue
+            log.info("TLS certificate files changed: new channels to %d workers and routers", len(self._links))
+            for address, (old, tasks) in list(self._links.items()):
+                for task in tasks:
+                    task.cancel()
+                self._connect(address)  # the view keeps what it knows: no table loses the worker meanwhile
+                closing = asyncio.create_task(old.close())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
 
     def _remove(self, address: str, why: str) -> None:
         """Discovery lost a worker or router: stop watching it (a worker leaves the next table)."""
@@ -309,6 +337,8 @@ class Prober(Service):
             for address in self.config.routers:
                 self._add_router(address)
         self.spawn(self._recompute(), "recompute")
+        if self.tls.on:
+            self.spawn(self._follow_certificates(), "certificate renewals")
         await self.host.set_ready(True)
         log.info("prober on %s watching %d workers, pushing to %d routers", self.host.address,
                  len(self.views), len(self.routers))
