@@ -20,6 +20,9 @@ class WorkerConfig(TlsSettings):
                                   "port, for kubelet probes (which present no client certificate); 0 = off")
     metrics_port: int = setting(0, "serve Prometheus metrics on http://host:PORT/metrics; 0 = off")
     triton_url: str = setting("", "use this running Triton (host:port, e.g. a sidecar) instead of starting one")
+    triton_tls: bool = setting(False, "with --triton-url: reach that Triton over TLS, verifying it against "
+                                      "--tls-ca and, with --tls-mode mtls, presenting --tls-cert (Triton's "
+                                      "--grpc-use-ssl-mutual)")
     triton_metrics_url: str = setting("", "that Triton's metrics endpoint (http://host:8002/metrics), for its "
                                           "pending count; ours is known")
     model_repository: str = setting("", "model repository for the Triton we start; empty = the shipped SmolLM2 model")
@@ -43,6 +46,8 @@ class WorkerConfig(TlsSettings):
     def __post_init__(self) -> None:
         """Validate ranges."""
         self.check_tls()
+        check(not self.triton_tls or (bool(self.triton_url) and self.tls_mode != "off"),
+              "--triton-tls needs --triton-url and --tls-mode tls or mtls (its CA, and for mtls its certificate)")
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
         check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
         check(0 <= self.metrics_port <= 65535, f"metrics_port must be 0..65535, got {self.metrics_port}")

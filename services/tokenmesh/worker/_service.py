@@ -79,7 +79,12 @@ class Worker(Service):
 
         cfg = self.config
         if cfg.triton_url:
-            return TritonBackend(TritonBackendConfig(url=cfg.triton_url, metrics_url=cfg.triton_metrics_url or None))
+            tls = None
+            if cfg.triton_tls:
+                mutual = cfg.tls_mode == "mtls"
+                tls = (cfg.tls_ca, cfg.tls_key if mutual else "", cfg.tls_cert if mutual else "")
+            return TritonBackend(TritonBackendConfig(url=cfg.triton_url, metrics_url=cfg.triton_metrics_url or None,
+                                                     tls=tls))
         if cfg.work_dir:
             work_dir = Path(cfg.work_dir)
         else:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import tenacity
@@ -45,6 +46,9 @@ class TritonBackendConfig:
     """Context per request for models whose config does not say (n_ctx/n_parallel)."""
     default_slots: int = 4
     """Concurrent generations for models whose config does not say (n_parallel)."""
+    tls: tuple[str, str, str] | None = None
+    """(CA, key, certificate) files: reach the Triton at url over TLS, verifying it against the CA and presenting
+    the certificate when key and certificate are set (Triton's --grpc-use-ssl-mutual); None: plaintext."""
 
 
 class _Starting(Exception):
@@ -240,8 +244,17 @@ class TritonBackend(Backend):
     async def _connect(self) -> None:
         """A new client and channel to Triton; those of before (a restart's) are closed first."""
         await self._disconnect()
-        self._client = triton_aio.InferenceServerClient(self.endpoint)
-        self._channel = grpc.aio.insecure_channel(self.endpoint, options=TRITON_CHANNEL_OPTIONS)
+        tls = self.config.tls if self.config.url else None  # our own Triton is on loopback, plaintext
+        if tls is None:
+            self._client = triton_aio.InferenceServerClient(self.endpoint)
+            self._channel = grpc.aio.insecure_channel(self.endpoint, options=TRITON_CHANNEL_OPTIONS)
+        else:
+            ca, key, cert = tls
+            self._client = triton_aio.InferenceServerClient(
+                self.endpoint, ssl=True, root_certificates=ca, private_key=key or None, certificate_chain=cert or None)
+            pem = [Path(f).read_bytes() if f else None for f in (ca, key, cert)]
+            self._channel = grpc.aio.secure_channel(self.endpoint, grpc.ssl_channel_credentials(*pem),
+                                                    options=TRITON_CHANNEL_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def _disconnect(self) -> None:
