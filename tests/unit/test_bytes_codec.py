@@ -110,7 +110,7 @@ class FakeStub:
         self.responses = responses
         self.calls: list[FakeCall] = []
 
-    def ModelStreamInfer(self, timeout: float | None = None) -> FakeCall:  # noqa: N802 - the stub's name
+    def ModelStreamInfer(self, timeout: float | None = None, metadata: object = None) -> FakeCall:  # noqa: N802
         call = FakeCall(list(self.responses))
         self.calls.append(call)
         return call

@@ -48,6 +48,8 @@ class GenerationParams:
     timeout_s: float | None = None
     """Time left before the caller's deadline."""
     labels: dict[str, str] = field(default_factory=dict)
+    trace_context: tuple[tuple[str, str], ...] = ()
+    """W3C trace headers (``traceparent``...) for the engine call: Triton, tracing, makes its spans children."""
 
 
 @dataclass(frozen=True, slots=True)

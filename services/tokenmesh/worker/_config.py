@@ -25,6 +25,9 @@ class WorkerConfig(TlsSettings):
                                       "--grpc-use-ssl-mutual)")
     triton_metrics_url: str = setting("", "that Triton's metrics endpoint (http://host:8002/metrics), for its "
                                           "pending count; ours is known")
+    triton_trace_url: str = setting("", "the Triton we start exports OpenTelemetry traces of every request to "
+                                        "this OTLP/HTTP endpoint (http://collector:4318/v1/traces), as children "
+                                        "of the worker's span; empty = Triton does not trace")
     model_repository: str = setting("", "model repository for the Triton we start; empty = the shipped SmolLM2 model")
     devices: str = setting("", "CUDA_VISIBLE_DEVICES for our Triton; empty inherits the environment")
     cpus: str = setting("", "CPUs to pin the worker and its Triton to, e.g. '0-3' or '0,2'; empty = no pinning")

@@ -24,6 +24,14 @@ from tokenmesh.worker._servicer import WorkerServicer
 log = logging.getLogger(__name__)
 
 
+def triton_trace_args(url: str) -> tuple[str, ...]:
+    """The tritonserver flags that export OpenTelemetry traces of every request to url (none for '')."""
+    if not url:
+        return ()
+    return ("--trace-config", "mode=opentelemetry", "--trace-config", f"opentelemetry,url={url}",
+            "--trace-config", "rate=1", "--trace-config", "level=TIMESTAMPS")
+
+
 
 
 class Worker(Service):
@@ -101,6 +109,7 @@ class Worker(Service):
             model_parameters=tuple(overrides),
             cuda_visible_devices=cfg.devices or None,
             nice=cfg.triton_nice,
+            extra_args=triton_trace_args(cfg.triton_trace_url),
         )
         return TritonBackend(TritonBackendConfig(process=process))
 

@@ -13,7 +13,7 @@ from opentelemetry.trace import StatusCode
 
 from tokenmesh import logs
 from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from tokenmesh.tracing import from_mapping
+from tokenmesh.tracing import from_mapping, inject
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.validation import check_max_tokens, check_request, require_request_id
 from tokenmesh.worker._backend import Backend, BackendError, GenerationParams, ModelSpec
@@ -183,6 +183,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"model {spec.name!r} takes a prompt only: its Triton model declares no "
                                   "`messages` input (as the stock vLLM backend); send `prompt` with the chat "
                                   "template applied")
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_span(
+                f"generate {spec.name}", context=from_mapping(first.trace_context), kind=trace.SpanKind.SERVER,
+                attributes={"gen_ai.request.model": spec.name, "gen_ai.response.id": req.request_id,
+                            "tokenmesh.tokens_before": first.tokens_before,
+                            "tokenmesh.triton_url": self._backend.endpoint})
+        # Triton, tracing, makes its spans children of ours (or of the router's, when we do not trace).
+        trace_context = tuple(inject(span).items()) if span is not None else tuple(first.trace_context.items())
         params = GenerationParams(
             model=spec.name,
             prompt=req.prompt,
@@ -196,8 +205,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             request_id=req.request_id,
             timeout_s=first.timeout_s if first.HasField("timeout_s") else context.time_remaining(),
             labels=dict(req.labels),
+            trace_context=trace_context,
         )
-        logs.about(req.request_id)  # before the pump task starts: it copies this context
+        logs.about(req.request_id, span)  # before the pump task starts: it copies this context
         queued = self.in_flight >= self.limits.slots()
         self.in_flight += 1
         self.idle.clear()
@@ -212,14 +222,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     return
 
         watcher = asyncio.create_task(watch_commands())
-        span = None
-        if self.tracer is not None:
-            span = self.tracer.start_span(
-                f"generate {spec.name}", context=from_mapping(first.trace_context), kind=trace.SpanKind.SERVER,
-                attributes={"gen_ai.request.model": spec.name, "gen_ai.response.id": req.request_id,
-                            "tokenmesh.first_seq": record.first_seq, "tokenmesh.tokens_before": first.tokens_before,
-                            "tokenmesh.triton_url": self._backend.endpoint})
-            logs.about(req.request_id, span)
+        if span is not None:
+            span.set_attribute("tokenmesh.first_seq", record.first_seq)
         try:
             async for event in record.stream(record.first_seq - 1):
                 if span is not None:

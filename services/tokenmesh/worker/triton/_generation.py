@@ -53,7 +53,8 @@ class TritonGeneration(Generation):
             yield Finished("cancelled", 0, 0)
             return
         try:
-            call = self._call = self._stub.ModelStreamInfer(timeout=params.timeout_s)
+            call = self._call = self._stub.ModelStreamInfer(timeout=params.timeout_s,
+                                                            metadata=params.trace_context or None)
         except grpc.aio.UsageError as exc:  # "Channel is closed": the backend restarted or stopped meanwhile
             raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, f"Triton: {exc} (backend restarting)") from exc
         try:
