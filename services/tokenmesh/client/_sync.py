@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -45,7 +45,16 @@ class SyncClient:
         self, request: inference_pb2.GenerateRequest, *, timeout: float | None = None
     ) -> Iterator[inference_pb2.GenerateChunk]:
         """Chunks of a generation, as :meth:`Client.generate` yields them."""
-        stream = self._client.generate(request, timeout=timeout)
+        return self._iterate(self._client.generate(request, timeout=timeout))
+
+    def resume(self, request_id: str, after_seq: int = 0, *,
+               timeout: float | None = None) -> Iterator[inference_pb2.GenerateChunk]:
+        """Chunks after after_seq, as :meth:`Client.resume` yields them."""
+        return self._iterate(self._client.resume(request_id, after_seq, timeout=timeout))
+
+    def _iterate(self, stream: AsyncGenerator[inference_pb2.GenerateChunk, None]) -> Iterator[
+            inference_pb2.GenerateChunk]:
+        """The async generator's chunks, one loop round trip each."""
         try:
             while True:
                 try:
@@ -54,19 +63,6 @@ class SyncClient:
                     return
         finally:
             self._call(stream.aclose())  # a caller that stops early cancels, as with the async client
-
-    def resume(self, request_id: str, after_seq: int = 0, *,
-               timeout: float | None = None) -> Iterator[inference_pb2.GenerateChunk]:
-        """Chunks after after_seq, as :meth:`Client.resume` yields them."""
-        stream = self._client.resume(request_id, after_seq, timeout=timeout)
-        try:
-            while True:
-                try:
-                    yield self._call(stream.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._call(stream.aclose())
 
     def cancel(self, request_id: str, *, timeout: float = 5.0) -> inference_pb2.CancelResponse:
         """Stop a generation wherever it runs."""
