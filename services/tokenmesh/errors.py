@@ -287,9 +287,13 @@ async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield _check(request)
 
 
+ANSWERED = "tokenmesh-error"
+"""Trailer on every status a tokenmesh service answers itself: a caller can tell it from a connection that broke
+(both may be UNAVAILABLE), and resumes only the latter."""
+
+
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: MeshError) -> None:
-    if error.trailers:
-        context.set_trailing_metadata(error.trailers)
+    context.set_trailing_metadata(((ANSWERED, type(error).__name__), *error.trailers))
     await context.abort(error.grpc_code, error.message)
 
 

@@ -223,9 +223,9 @@ async def test_the_prober_reconnects_with_renewed_certificates_and_its_tables_ke
     try:
         await wait_until(lambda: prober.table.version > 0 and mesh.router.pool.version == prober.table.version
                          and all(w.weight > 0 for w in prober.table.workers), timeout=10)
-        before = {a: c for a, (c, _) in prober._links.items()}  # noqa: SLF001 - its channels
+        before = {key: c for key, (c, _) in prober._links.items()}  # noqa: SLF001 - its channels
         issue(mesh.folder, "prober", load_ca(mesh.folder))
-        await wait_until(lambda: all(prober._links[a][0] is not c for a, c in before.items()), timeout=5)  # noqa: SLF001
+        await wait_until(lambda: all(prober._links[k][0] is not c for k, c in before.items()), timeout=5)  # noqa: SLF001
         await wait_until(lambda: all(link.connected for link in prober.routers.values()), timeout=5)
         # Workers stay weighed (no table dropped them while reconnecting), and the router has the latest table.
         assert all(w.weight > 0 for w in prober.table.workers)

@@ -31,7 +31,7 @@ from typing import Any, Self
 import grpc
 
 from tokenmesh.config import address_error
-from tokenmesh.errors import DeadlineExceeded, MeshError, Unavailable, from_rpc_error
+from tokenmesh.errors import ANSWERED, DeadlineExceeded, MeshError, Unavailable, from_rpc_error
 from tokenmesh.retry import retry_hint_s
 from tokenmesh.server import CHANNEL_OPTIONS
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
@@ -272,7 +272,10 @@ class Client:
                     resuming, stay = False, True  # nothing was started: start it now, on this router (it answers)
                     continue
                 started_maybe = code in BROKEN_CODES
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED or not (started_maybe or _transient_before_start(exc)):
+                # Mid-stream, a status the router answered itself ends the generation (its worker failed for
+                # good, no live worker): only a broken connection is resumed.
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED or (last and _answered(exc)) or not (
+                        started_maybe or _transient_before_start(exc)):
                     raise from_rpc_error(exc) from exc
                 broken = exc
                 # A refusal (RESOURCE_EXHAUSTED with a hint) started nothing; anything else may have.
@@ -336,6 +339,11 @@ def _with_id(request: inference_pb2.GenerateRequest) -> inference_pb2.GenerateRe
     copy.CopyFrom(request)
     copy.request_id = uuid.uuid4().hex
     return copy
+
+
+def _answered(exc: grpc.aio.AioRpcError) -> bool:
+    """The router ended the stream with a status of its own (the generation failed), not a broken connection."""
+    return any(key == ANSWERED for key, _ in (exc.trailing_metadata() or ()))
 
 
 def _transient_before_start(exc: grpc.aio.AioRpcError) -> bool:

@@ -69,7 +69,7 @@ class Prober(Service):
     metrics_endpoint: MetricsEndpoint | None
     _next_version: int
     _changed: asyncio.Event
-    _links: dict[str, tuple[grpc.aio.Channel, list[asyncio.Task[Any]]]]
+    _links: dict[tuple[str, str], tuple[grpc.aio.Channel, list[asyncio.Task[Any]]]]
     """Per worker or router address: its channel and the tasks that use it."""
     _closing: set[asyncio.Task[None]]
     """Channels of workers or routers discovery lost, being closed."""
@@ -100,8 +100,10 @@ class Prober(Service):
         if config.discovery == "dns":
             resolver = DnsResolver(config.discovery_dns_server)
             self._discoveries = [
-                Discovery(config.workers, resolver, self._add_worker, self._remove, what="worker"),
-                Discovery(config.routers, resolver, self._add_router, self._remove, what="router"),
+                Discovery(config.workers, resolver, self._add_worker, lambda a, _: self._remove("worker", a),
+                          what="worker"),
+                Discovery(config.routers, resolver, self._add_router, lambda a, _: self._remove("router", a),
+                          what="router"),
             ]
 
     # -- watching workers ---------------------------------------------------
@@ -268,26 +270,25 @@ class Prober(Service):
         if address in self.views:
             return
         self.views[address] = WorkerView(address)
-        self._connect(address)
+        self._connect("worker", address)
         self._changed.set()
 
     def _add_router(self, address: str, found_by: str = "") -> None:
         if address in self.routers:
             return
         self.routers[address] = _RouterLink(address)
-        self._connect(address)
+        self._connect("router", address)
 
-    def _connect(self, address: str) -> None:
+    def _connect(self, kind: str, address: str) -> None:
         """A channel to a worker or router (from the certificate files as they are now) and the loops on it."""
         channel = self.tls.channel(address, CHANNEL_OPTIONS)
-        view, link = self.views.get(address), self.routers.get(address)
-        if view is not None:
+        if kind == "worker":
+            view = self.views[address]
             tasks = [self.spawn(self._watch_health(view, channel), f"health watch {address}"),
                      self.spawn(self._watch_stats(view, channel), f"stats {address}")]
         else:
-            assert link is not None
-            tasks = [self.spawn(self._push(link, channel), f"weight push {address}")]
-        self._links[address] = (channel, tasks)
+            tasks = [self.spawn(self._push(self.routers[address], channel), f"weight push {address}")]
+        self._links[kind, address] = (channel, tasks)
 
     async def _follow_certificates(self) -> None:
         """Renewed certificate files: reconnect to every worker and router with the new certificate."""
@@ -297,19 +298,18 @@ class Prober(Service):
             if not self.tls.files_changed():
                 continue
             log.info("TLS certificate files changed: new channels to %d workers and routers", len(self._links))
-            for address, (old, tasks) in list(self._links.items()):
+            for (kind, address), (old, tasks) in list(self._links.items()):
                 for task in tasks:
                     task.cancel()
-                self._connect(address)  # the view keeps what it knows: no table loses the worker meanwhile
+                self._connect(kind, address)  # the view keeps what it knows: no table loses the worker meanwhile
                 closing = asyncio.create_task(old.close())
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
 
-    def _remove(self, address: str, why: str) -> None:
+    def _remove(self, kind: str, address: str) -> None:
         """Discovery lost a worker or router: stop watching it (a worker leaves the next table)."""
-        self.views.pop(address, None)
-        self.routers.pop(address, None)
-        channel, tasks = self._links.pop(address)
+        (self.views if kind == "worker" else self.routers).pop(address, None)
+        channel, tasks = self._links.pop((kind, address))
         for task in tasks:
             task.cancel()
         closing = asyncio.create_task(channel.close())
