@@ -23,6 +23,7 @@ import psutil
 from tokenmesh.bench.metrics import percentile as percentile  # the benchmarks' percentile is tokenmesh bench's
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.process import cpu_seconds, descendants, dies_with_parent
+from tokenmesh.tls import Tls, TlsSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 from tokenmesh.worker.triton import synthetic_repository as synthetic_repository  # one copy, in the package
 
@@ -78,8 +79,11 @@ def running_mesh(config: MeshConfig, routable: int | None = None) -> Iterator[Me
 def client_credentials(tls_dir: str) -> grpc.ChannelCredentials:
     """The `client` identity of a `tokenmesh certs` folder."""
     folder = Path(tls_dir)
-    return grpc.ssl_channel_credentials((folder / "ca.crt").read_bytes(), (folder / "client.key").read_bytes(),
-                                        (folder / "client.crt").read_bytes())
+    settings = TlsSettings(tls_mode="mtls", tls_cert=str(folder / "client.crt"), tls_key=str(folder / "client.key"),
+                           tls_ca=str(folder / "ca.crt"))
+    credentials = Tls(settings).credentials()
+    assert credentials is not None
+    return credentials
 
 
 def wait_routable(mesh: Mesh, count: int, timeout: float = 60) -> None:

@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 
 import grpc
-from common import synthetic_repository
+from common import client_credentials, synthetic_repository
 from hypothesis.errors import NonInteractiveExampleWarning
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' strategies
@@ -56,8 +56,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         certs = make_dev_certs(Path(folder) / "certs")
         repository = synthetic_repository(Path(folder), tokens_per_s=2000)
-        credentials = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes(), (certs / "client.key").read_bytes(),
-                                                   (certs / "client.crt").read_bytes())
+        credentials = client_credentials(str(certs))
         mesh = Mesh(MeshConfig(port=0, model_repository=str(repository), tls_dir=str(certs),
                                log_dir=str(Path(folder) / "logs")))
         try:

@@ -16,11 +16,8 @@ import os
 import signal
 import socket
 import ssl
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
-
-import grpc
 
 from tokenmesh.client import Client
 from tokenmesh.server import write_ready_file
@@ -54,6 +51,8 @@ class Gateway:
     client: Client | None
     tracing: Tracing | None
     _renewals: asyncio.Task[None] | None
+    _tls: Tls
+    """The gateway's certificate files, for its calls to routers."""
     port: int
     """The bound port (after :meth:`start`)."""
     _server: uvicorn.Server | None
@@ -68,6 +67,7 @@ class Gateway:
         self.client = None
         self.tracing = None
         self._renewals = None
+        self._tls = Tls(config)
         self.port = 0
         self._server = None
         self._socket = None
@@ -94,8 +94,9 @@ class Gateway:
         try:
             keys = load_keys(self.config.api_keys_file) if self.config.api_keys_file else None
             cfg = self.config
+            # To the routers as the gateway identity (mtls), verifying them (tls and mtls).
             self.client = Client(cfg.routers, retry_deadline_s=cfg.retry_deadline_s, max_resumes=cfg.max_resumes,
-                                 credentials=self._router_credentials())
+                                 credentials=self._tls.credentials(), server_name=cfg.tls_server_name)
             if cfg.tls_mode != "off":
                 self._renewals = asyncio.create_task(self._follow_certificates(), name="gateway:certificates")
             self.tracing = Tracing("gateway")
@@ -127,26 +128,16 @@ class Gateway:
             await self.shutdown()
             raise
 
-    def _router_credentials(self) -> grpc.ChannelCredentials | None:
-        """TLS to the routers as the gateway identity (mtls), verifying them (tls and mtls); None: plaintext."""
-        cfg = self.config
-        if cfg.tls_mode == "off":
-            return None
-        files = [Path(f).read_bytes() for f in (cfg.tls_ca, cfg.tls_key, cfg.tls_cert)]
-        return (grpc.ssl_channel_credentials(*files) if cfg.tls_mode == "mtls"
-                else grpc.ssl_channel_credentials(files[0]))
-
     async def _follow_certificates(self) -> None:
         """Renewed certificate files reach the calls to routers.
 
         The HTTPS port keeps its certificate until a restart: uvicorn reads it once.
         """
-        files = Tls(self.config)
-        files.files_changed()
+        self._tls.files_changed()
         while True:
             await asyncio.sleep(CERTIFICATE_POLL_S)
-            if files.files_changed() and self.client is not None:
-                credentials = self._router_credentials()
+            if self._tls.files_changed() and self.client is not None:
+                credentials = self._tls.credentials()
                 assert credentials is not None
                 self.client.renew(credentials)
                 log.info("TLS certificate files changed: new channels to the routers")

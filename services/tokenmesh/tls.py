@@ -162,13 +162,21 @@ class Tls:
         return grpc.dynamic_ssl_server_credentials(configuration(cert, key, ca), fetch,
                                                    require_client_authentication=mutual)
 
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """Client credentials from the files as they are now (None while TLS is off).
+
+        The CA verifies servers; with mtls this service's certificate is presented too.
+        """
+        if not self.on:
+            return None
+        cert, key, ca = self._files()
+        return grpc.ssl_channel_credentials(ca, key, cert) if self.mode == "mtls" else grpc.ssl_channel_credentials(ca)
+
     def channel(self, address: str, options: tuple[tuple[str, Any], ...] = ()) -> grpc.aio.Channel:
         """A channel to address: plaintext, or TLS from the files as they are now (renewed ones included)."""
-        if not self.on:
+        credentials = self.credentials()
+        if credentials is None:
             return grpc.aio.insecure_channel(address, options=options)
-        cert, key, ca = self._files()
-        credentials = (grpc.ssl_channel_credentials(ca, key, cert) if self.mode == "mtls"
-                       else grpc.ssl_channel_credentials(ca))
         if self._settings.tls_server_name:
             options = (*options, ("grpc.ssl_target_name_override", self._settings.tls_server_name))
         return grpc.aio.secure_channel(address, credentials, options=options)

@@ -57,6 +57,7 @@ class Client:
         initial_backoff_s: upper bound of the first wait between attempts (it doubles, up to 2 s).
         credentials: TLS (or mutual TLS) to the routers, e.g. ``grpc.ssl_channel_credentials(ca, key, cert)``;
             None: plaintext.
+        server_name: with credentials, the name to verify in the routers' certificates ('' = each address's host).
 
     """
 
@@ -71,6 +72,7 @@ class Client:
     _background: set[asyncio.Task[Any]]
     _credentials: grpc.ChannelCredentials | None
     _retired: list[grpc.aio.Channel]
+    _options: tuple[tuple[str, Any], ...]
     """Channels replaced by :meth:`renew`, open until :meth:`close` (their streams run on)."""
 
     def __init__(
@@ -81,6 +83,7 @@ class Client:
         max_resumes: int = 8,
         initial_backoff_s: float = 0.05,
         credentials: grpc.ChannelCredentials | None = None,
+        server_name: str = "",
     ) -> None:
         names = tuple(a.strip() for a in (routers.split(",") if isinstance(routers, str) else routers) if a.strip())
         if not names:
@@ -98,6 +101,9 @@ class Client:
         self.initial_backoff_s = initial_backoff_s
         self._background = set()
         self._credentials = credentials
+        self._options = CHANNEL_OPTIONS
+        if server_name:  # the name on the routers' certificates, when they are called by address
+            self._options = (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name))
         self._retired = []
 
     async def __aenter__(self) -> Self:
@@ -171,8 +177,8 @@ class Client:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = (
-                grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) if self._credentials is None
-                else grpc.aio.secure_channel(address, self._credentials, options=CHANNEL_OPTIONS))
+                grpc.aio.insecure_channel(address, options=self._options) if self._credentials is None
+                else grpc.aio.secure_channel(address, self._credentials, options=self._options))
         return inference_pb2_grpc.InferenceStub(channel)
 
     async def _wait(self, failures: int, exc: BaseException | None, deadline: float) -> None:
