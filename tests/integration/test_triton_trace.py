@@ -80,15 +80,15 @@ async def test_tritons_spans_are_children_of_the_workers(tmp_path: Path, triton_
                 except grpc.aio.AioRpcError:
                     await asyncio.sleep(0.1)
         assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
-        for _ in range(150):  # Triton exports in batches
-            if any(name == "InferRequest" and trace == TRACE_ID for name, trace, _, _ in TritonSpans.spans):
-                break
-            await asyncio.sleep(0.1)
     finally:
         if router is not None:
             await router.shutdown()
-        await worker.shutdown()
+        await worker.shutdown()  # stops its Triton, which exports what its batches still hold
         await receiver.stop()
+    for _ in range(150):  # Triton exports in batches, the request's root span last
+        if any(name == "InferRequest" and trace == TRACE_ID for name, trace, _, _ in TritonSpans.spans):
+            break
+        await asyncio.sleep(0.1)
     ours = [s for service, s in receiver.spans() if service == "tokenmesh-worker"]
     worker_span = next(s for s in ours if s.trace_id.hex() == TRACE_ID)
     infer = [s for s in TritonSpans.spans if s[0] == "InferRequest" and s[1] == TRACE_ID]
