@@ -7,7 +7,10 @@ goes first (ABBA), closed loop at --concurrency, the same prompts on both
 paths: ``tokenmesh bench``'s OpenAI target through the gateway
 (``/v1/completions``, streamed, parsed as SSE) and its mesh target
 (``tokenmesh.client`` over gRPC to the router). Offered load = concurrency x
-tokens-per-s (default 8 x 1,000 = 8k tokens/s).
+tokens-per-s (default 8 x 1,000 = 8k tokens/s). --steps shared (the
+default) puts every stream's responses on one step clock, as a batched
+engine's decode steps do; --steps per-stream keeps each stream on the phase
+of its own start (the worst case for a relay: one wake-up per message).
 
 Prints per block and as the median [min..max] over blocks: the TTFT p50 and
 p99 the gateway path adds over the gRPC path, and the gateway process's CPU
@@ -15,7 +18,8 @@ per token (user + system from /proc over its blocks, divided by the tokens it
 relayed). Targets (issue 13): <= 2 ms TTFT p50 added, <= 30 us CPU per token.
 
     .venv/bin/python benchmarks/gateway.py
-    .venv/bin/python benchmarks/gateway.py --concurrency 8 --blocks 6 --requests 64 --tokens 256
+    .venv/bin/python benchmarks/gateway.py --concurrency 5 --steps per-stream
+    GRPC_EXPERIMENTS= .venv/bin/python benchmarks/gateway.py   # the services on gRPC's own defaults
 """
 
 from __future__ import annotations
@@ -88,7 +92,8 @@ def report(found: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> 
     """Print the comparison."""
     http, direct = found["openai"], found["mesh"]
     pairs = list(zip(http, direct, strict=True))
-    print(f"\nsynthetic engine: {args.tokens_per_s:g} tokens/s per stream in {args.responses_per_s:g} messages/s, "
+    print(f"\nsynthetic engine: {args.tokens_per_s:g} tokens/s per stream in {args.responses_per_s:g} messages/s "
+          f"({'one step clock for all streams' if args.steps == 'shared' else 'each stream on its own phase'}), "
           f"{args.tokens} tokens per request; concurrency {args.concurrency} "
           f"({args.concurrency * args.tokens_per_s:,.0f} tokens/s offered); {args.blocks} blocks of "
           f"{args.requests} requests per path, alternated")
@@ -129,11 +134,15 @@ def main() -> None:
     parser.add_argument("--responses-per-s", type=float, default=200.0,
                         help="engine messages per second per stream (default 200: 5 tokens each)")
     parser.add_argument("--workers", type=int, default=2, help="workers, each with its own Triton (default 2)")
+    parser.add_argument("--steps", choices=("shared", "per-stream"), default="shared",
+                        help="the engine's responses on one step clock for all streams, as a batched engine's "
+                             "(default), or each stream on its own phase")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as folder:
         repository = synthetic_repository(Path(folder), tokens_per_s=args.tokens_per_s,
-                                          responses_per_s=args.responses_per_s, n_parallel=max(64, args.concurrency))
+                                          responses_per_s=args.responses_per_s, n_parallel=max(64, args.concurrency),
+                                          shared_steps=int(args.steps == "shared"))
         config = MeshConfig(workers=args.workers, port=0, model_repository=str(repository), gateway_port=0)
         with running_mesh(config) as mesh:
             assert mesh.router is not None and mesh.gateway is not None

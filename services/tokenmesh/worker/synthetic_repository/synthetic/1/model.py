@@ -7,6 +7,12 @@ Runs inside Triton's Python backend stub; it may import only
 carries ``finish_reason`` "length" and the token counts, as smollm2's does.
 A cancelled request stops at its next response.
 
+With ``shared_steps`` 1 every stream's responses fall on one clock (the
+multiples of the response interval), as a batched engine's decode steps
+do: vLLM, TensorRT-LLM and llama.cpp's server decode every running sequence
+in one step, so their tokens come out together. With 0 (the default) each
+stream keeps the phase of its own start.
+
 A few sender threads (``sender_threads``, 16) send every stream's
 responses, each at its due time (a heap of due times per thread): thousands
 of slow streams cost 16 threads, not one each. One thread is not enough: a
@@ -19,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import math
 import os
 import threading
 import time
@@ -134,6 +141,7 @@ class TritonPythonModel:
         interval = max(1 / tokens_per_s, 1 / responses_per_s)
         per_response = max(1, round(tokens_per_s * interval))
         self._ttft = float(params.get("ttft_ms", "5")) / 1000
+        self._step = interval if params.get("shared_steps", "0") == "1" else 0.0
         lanes = max(1, int(params.get("sender_threads", "16")))
         self._lanes = [_Lane(f"synthetic-sender-{i}", interval, per_response) for i in range(lanes)]
         self._turn = itertools.count()
@@ -157,7 +165,10 @@ class TritonPythonModel:
                 )
                 continue
             lane = self._lanes[next(self._turn) % len(self._lanes)]
-            lane.schedule(time.monotonic() + self._ttft, _Stream(sender, max_tokens, len(prompt.split())))
+            due = time.monotonic() + self._ttft
+            if self._step:  # the first response at the next step of the one clock: every stream in lockstep
+                due = math.ceil(due / self._step) * self._step
+            lane.schedule(due, _Stream(sender, max_tokens, len(prompt.split())))
         return None
 
     def finalize(self) -> None:
