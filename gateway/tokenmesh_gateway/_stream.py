@@ -222,8 +222,8 @@ class Exchanges:
             if exchange.started:
                 wait = max(0.01, wait - (loop.time() - exchange.last_write))
             try:
-                # wait_for makes a task per wait: one per keep-alive period, never one per token.
-                message = await asyncio.wait_for(receive(), wait)
+                async with asyncio.timeout(wait):  # no task of its own (wait_for makes one per wait)
+                    message = await receive()
             except TimeoutError:
                 if exchange.started and loop.time() - exchange.last_write >= self.keepalive_s:
                     exchange.last_write = loop.time()

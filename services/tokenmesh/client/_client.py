@@ -66,13 +66,15 @@ class Client:
     _resolved_at: float
     _turn: int
     _channels: dict[str, grpc.aio.Channel]
+    _stubs: dict[str, inference_pb2_grpc.InferenceStub]
+    """One stub per channel: a stub builds a callable per method, too much to do per call."""
     retry_deadline_s: float
     max_resumes: int
     initial_backoff_s: float
     _background: set[asyncio.Task[Any]]
     _credentials: grpc.ChannelCredentials | None
-    _retired: list[grpc.aio.Channel]
     _options: tuple[tuple[str, Any], ...]
+    _retired: list[grpc.aio.Channel]
     """Channels replaced by :meth:`renew`, open until :meth:`close` (their streams run on)."""
 
     def __init__(
@@ -96,6 +98,7 @@ class Client:
         self._resolved_at = 0.0
         self._turn = random.randrange(len(names))  # noqa: S311 - spreads clients over routers, not security
         self._channels = {}
+        self._stubs = {}
         self.retry_deadline_s = retry_deadline_s
         self.max_resumes = max_resumes
         self.initial_backoff_s = initial_backoff_s
@@ -121,6 +124,7 @@ class Client:
         for channel in [*self._channels.values(), *self._retired]:
             await channel.close()
         self._channels.clear()
+        self._stubs.clear()
         self._retired.clear()
 
     def renew(self, credentials: grpc.ChannelCredentials) -> None:
@@ -132,6 +136,7 @@ class Client:
         self._credentials = credentials
         self._retired.extend(self._channels.values())
         self._channels.clear()
+        self._stubs.clear()
 
     # -- routers ------------------------------------------------------------
 
@@ -174,12 +179,13 @@ class Client:
         return address
 
     def _stub(self, address: str) -> inference_pb2_grpc.InferenceStub:
-        channel = self._channels.get(address)
-        if channel is None:
+        stub = self._stubs.get(address)
+        if stub is None:
             channel = self._channels[address] = (
                 grpc.aio.insecure_channel(address, options=self._options) if self._credentials is None
                 else grpc.aio.secure_channel(address, self._credentials, options=self._options))
-        return inference_pb2_grpc.InferenceStub(channel)
+            stub = self._stubs[address] = inference_pb2_grpc.InferenceStub(channel)
+        return stub
 
     async def _wait(self, failures: int, exc: BaseException | None, deadline: float) -> None:
         """Full-jitter backoff (at least the server's retry hint), never past the deadline."""
@@ -193,7 +199,7 @@ class Client:
 
     # -- calls --------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self, request: inference_pb2.GenerateRequest, *, timeout: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
     ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
@@ -205,25 +211,17 @@ class Client:
         or the last transient one once ``retry_deadline_s`` passed without progress.
         """
         chosen = bool(request.request_id)
-        if not chosen:
-            request = _with_id(request)
-        finished = False
-        try:
-            async for chunk in self._follow(request, None, timeout, metadata):
-                finished = bool(chunk.finish_reason)
-                yield chunk
-        finally:
-            if not finished and not chosen:
-                self._cancel_later(request.request_id)
+        # The iterator is _follow's own (no generator around it: one less frame per chunk).
+        return self._follow(request if chosen else _with_id(request), None, timeout, metadata,
+                            cancel_unfinished=not chosen)
 
-    async def resume(
+    def resume(
         self, request_id: str, after_seq: int = 0, *, timeout: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
     ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
         """Chunks of a generation after after_seq (replayed, then live), across router failures."""
-        async for chunk in self._follow(None, inference_pb2.ResumeRequest(request_id=request_id, after_seq=after_seq),
-                                        timeout, metadata):
-            yield chunk
+        return self._follow(None, inference_pb2.ResumeRequest(request_id=request_id, after_seq=after_seq),
+                            timeout, metadata)
 
     async def _follow(
         self,
@@ -231,13 +229,18 @@ class Client:
         resume: inference_pb2.ResumeRequest | None,
         timeout: float | None,
         metadata: Sequence[tuple[str, str]] = (),
+        *,
+        cancel_unfinished: bool = False,
     ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
         """The chunks of request (Generate) or of resume (Resume), continued on other routers when a stream breaks.
 
         Which call goes next: Generate until a router may have started the
         generation; from then on Resume(after_seq=last seq yielded). A Resume
         that finds nothing before any chunk arrived (NOT_FOUND: the router that
-        had it never reached a worker) goes back to Generate.
+        had it never reached a worker) goes back to Generate. With
+        cancel_unfinished, a generation left before its final chunk (the
+        caller stopped reading, or an error) is cancelled: nobody else knows
+        its id.
         """
         end = None if timeout is None else time.monotonic() + timeout
         if request is not None:
@@ -249,57 +252,63 @@ class Client:
         progress_at = time.monotonic()
         address = ""
         stay = False
-        while True:
-            if not stay:
-                address = await self._next_router(avoid=address)
-            stay = False
-            remaining = None if end is None else end - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise DeadlineExceeded(f"generation {request_id} did not finish within {timeout:g} s")
-            stub = self._stub(address)
-            if resuming:
-                follow = inference_pb2.ResumeRequest(request_id=request_id, after_seq=last)
-                call = stub.Resume(follow, timeout=remaining, metadata=tuple(metadata))
-            else:
-                call = stub.Generate(request, timeout=remaining, metadata=tuple(metadata))
-            broken: grpc.aio.AioRpcError | None = None
-            try:
-                async for chunk in call:
-                    if chunk.seq <= last:
-                        continue  # a replay overlapping what the caller has
-                    last = chunk.seq
-                    failures, progress_at = 0, time.monotonic()
-                    yield chunk
-                    if chunk.finish_reason:
-                        return
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                if resuming and code == grpc.StatusCode.NOT_FOUND and request is not None and last == 0:
-                    resuming, stay = False, True  # nothing was started: start it now, on this router (it answers)
-                    continue
-                started_maybe = code in BROKEN_CODES
-                # Mid-stream, a status the router answered itself ends the generation (its worker failed for
-                # good, no live worker): only a broken connection is resumed.
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED or (last and _answered(exc)) or not (
-                        started_maybe or _transient_before_start(exc)):
-                    raise from_rpc_error(exc) from exc
-                broken = exc
-                # A refusal (RESOURCE_EXHAUSTED with a hint) started nothing; anything else may have.
-                resuming = resuming or started_maybe
-            else:
-                resuming = True  # the stream ended without a final chunk
-            if last:
-                resumes += 1
-            if resumes > self.max_resumes or time.monotonic() - progress_at > self.retry_deadline_s:
-                if broken is not None:
-                    raise from_rpc_error(broken) from broken
-                raise Unavailable(f"generation {request_id}: router {address} ended the stream without a final "
-                                  "chunk, too often")
-            failures += 1
-            log.info("generation %s: router %s failed after seq %d (%s); %s on another router", request_id, address,
-                     last, _describe(broken) if broken else "stream ended early",
-                     "resuming" if resuming else "retrying")
-            await self._wait(failures, broken, progress_at + self.retry_deadline_s)
+        finished = False
+        try:
+            while True:
+                if not stay:
+                    address = await self._next_router(avoid=address)
+                stay = False
+                remaining = None if end is None else end - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise DeadlineExceeded(f"generation {request_id} did not finish within {timeout:g} s")
+                stub = self._stub(address)
+                if resuming:
+                    follow = inference_pb2.ResumeRequest(request_id=request_id, after_seq=last)
+                    call = stub.Resume(follow, timeout=remaining, metadata=tuple(metadata))
+                else:
+                    call = stub.Generate(request, timeout=remaining, metadata=tuple(metadata))
+                broken: grpc.aio.AioRpcError | None = None
+                try:
+                    async for chunk in call:
+                        if chunk.seq <= last:
+                            continue  # a replay overlapping what the caller has
+                        last = chunk.seq
+                        failures, progress_at = 0, time.monotonic()
+                        finished = bool(chunk.finish_reason)
+                        yield chunk
+                        if finished:
+                            return
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+                    if resuming and code == grpc.StatusCode.NOT_FOUND and request is not None and last == 0:
+                        resuming, stay = False, True  # nothing was started: start it now, on this router (it answers)
+                        continue
+                    started_maybe = code in BROKEN_CODES
+                    # Mid-stream, a status the router answered itself ends the generation (its worker failed for
+                    # good, no live worker): only a broken connection is resumed.
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED or (last and _answered(exc)) or not (
+                            started_maybe or _transient_before_start(exc)):
+                        raise from_rpc_error(exc) from exc
+                    broken = exc
+                    # A refusal (RESOURCE_EXHAUSTED with a hint) started nothing; anything else may have.
+                    resuming = resuming or started_maybe
+                else:
+                    resuming = True  # the stream ended without a final chunk
+                if last:
+                    resumes += 1
+                if resumes > self.max_resumes or time.monotonic() - progress_at > self.retry_deadline_s:
+                    if broken is not None:
+                        raise from_rpc_error(broken) from broken
+                    raise Unavailable(f"generation {request_id}: router {address} ended the stream without a final "
+                                      "chunk, too often")
+                failures += 1
+                log.info("generation %s: router %s failed after seq %d (%s); %s on another router", request_id, address,
+                         last, _describe(broken) if broken else "stream ended early",
+                         "resuming" if resuming else "retrying")
+                await self._wait(failures, broken, progress_at + self.retry_deadline_s)
+        finally:
+            if cancel_unfinished and not finished:
+                self._cancel_later(request_id)
 
     def _cancel_later(self, request_id: str) -> None:
         """Stop a generation nobody reads any more (in the background: the caller is leaving)."""
