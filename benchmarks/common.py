@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import grpc
 import psutil
 
+from tokenmesh.__main__ import GRPC_EXPERIMENTS
 from tokenmesh.bench.metrics import percentile as percentile  # the benchmarks' percentile is tokenmesh bench's
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.process import cpu_seconds, descendants, dies_with_parent
@@ -50,9 +52,14 @@ def free_port() -> int:
 
 
 def start_relay(*args: str) -> subprocess.Popen[bytes]:
-    """Run relay.py (the one-hop baseline's source or relay) as a child that dies with us."""
+    """Run relay.py (the one-hop baseline's source or relay) as a child that dies with us.
+
+    With the gRPC settings the ``tokenmesh`` command gives the services it
+    runs (tokenmesh/__main__.py), so the baseline and the mesh compare like for like.
+    """
     script = Path(__file__).parent / "relay.py"
-    return subprocess.Popen(dies_with_parent([sys.executable, str(script), *args]))  # noqa: S603
+    env = {**os.environ, "GRPC_EXPERIMENTS": os.environ.get("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)}
+    return subprocess.Popen(dies_with_parent([sys.executable, str(script), *args]), env=env)  # noqa: S603
 
 
 def tree_cpu_seconds(pid: int) -> float:
