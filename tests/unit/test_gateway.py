@@ -249,6 +249,13 @@ async def test_a_dropped_resumable_stream_resumes_with_last_event_id_exactly_the
             seqs = [int(e["id"].rpartition(":")[2]) for e in events(whole.content) if "id" in e]
             tail = await http.get(f"/chat/completions/story/stream?starting_after={seqs[-2]}")
             assert text_of(tail.content) == text_after(whole.content, seqs[-2])
+            # An EventSource that reconnects after [DONE] (its last id is the final seq): 416 at once, which
+            # also stops its reconnecting, not a 503 after the client's retries.
+            began = time.monotonic()
+            done = await http.get("/chat/completions/story/stream", headers={"Last-Event-ID": f"story:{seqs[-1]}"})
+            assert done.status_code == 416 and done.json()["error"]["code"] == "out_of_range"
+            assert f"ended at seq {seqs[-1]}: nothing comes after it" in done.json()["error"]["message"]
+            assert time.monotonic() - began < 2
         assert sum(len(b.started) for b in mesh.backends) == 1  # one generation, replayed
 
 

@@ -62,6 +62,12 @@ async def test_resume_errors(mesh: InProcessMesh) -> None:
         await resume(mesh, "r2", after_seq=99)
     assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
     assert "beyond the last seq sent, 6" in info.value.details()
+    # After the final chunk (seq 6): at once a precise answer that nothing follows, no stream and no retry.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await resume(mesh, "r2", after_seq=6)
+    assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "generation r2 ended at seq 6: nothing comes after it" in info.value.details()
+    assert [c.seq for c in await resume(mesh, "r2", after_seq=5)] == [6]
 
 
 async def test_resume_after_the_grace_period_is_not_found() -> None:

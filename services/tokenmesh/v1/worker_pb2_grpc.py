@@ -96,7 +96,8 @@ class WorkerServicer:
         """Re-attaches to a generation this worker holds (live, or finished within
         the resume grace period): replays its events with seq > after_seq, then
         continues live. NOT_FOUND when it holds none by that id; OUT_OF_RANGE
-        when after_seq is beyond what it produced or before what it still keeps.
+        when after_seq is beyond what it produced, before what it still keeps, or
+        the final chunk's seq of a generation that ended (nothing comes after it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -133,6 +133,9 @@ class Record:
             )
         if position > self.total:
             raise OutOfRange(f"after_seq {after_seq} is beyond the last seq sent, {self.first_seq + self.total - 1}")
+        if position == self.total and self.done and self.events and self.events[-1].WhichOneof("event") == "end":
+            # The caller has every chunk, the final one too (e.g. an EventSource reconnecting after [DONE]).
+            raise OutOfRange(f"generation {self.request_id} ended at seq {after_seq}: nothing comes after it")
         if position < self.evicted:
             raise OutOfRange(
                 f"events before seq {self.first_seq + self.evicted} are no longer kept (replay buffer is "
