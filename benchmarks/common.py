@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import psutil
 
-from tokenmesh.__main__ import GRPC_EXPERIMENTS
+from tokenmesh.__main__ import set_grpc_defaults
 from tokenmesh.bench.metrics import percentile as percentile  # the benchmarks' percentile is tokenmesh bench's
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.process import cpu_seconds, descendants, dies_with_parent
@@ -58,7 +58,8 @@ def start_relay(*args: str) -> subprocess.Popen[bytes]:
     runs (tokenmesh/__main__.py), so the baseline and the mesh compare like for like.
     """
     script = Path(__file__).parent / "relay.py"
-    env = {**os.environ, "GRPC_EXPERIMENTS": os.environ.get("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)}
+    env = dict(os.environ)
+    set_grpc_defaults(env)
     return subprocess.Popen(dies_with_parent([sys.executable, str(script), *args]), env=env)  # noqa: S603
 
 

@@ -10,16 +10,15 @@ SIGTERM drains first (``/health`` 503, new generations 503, open streams get
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import socket
 import ssl
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
 from tokenmesh.client import Client
+from tokenmesh.lifecycle import serve_until_signal
 from tokenmesh.server import write_ready_file
 from tokenmesh.tls import Tls
 from tokenmesh.tracing import Tracing
@@ -32,8 +31,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CERTIFICATE_POLL_S = 10.0
-"""How often the gateway looks whether its certificate files were renewed (its calls to routers follow)."""
 STOP_GRACE_S = 2
 """After the drain, how long uvicorn gives what is left (answers being written) before it cancels them."""
 
@@ -133,10 +130,8 @@ class Gateway:
 
         The HTTPS port keeps its certificate until a restart: uvicorn reads it once.
         """
-        self._tls.files_changed()
-        while True:
-            await asyncio.sleep(CERTIFICATE_POLL_S)
-            if self._tls.files_changed() and self.client is not None:
+        async for _ in self._tls.renewals():
+            if self.client is not None:
                 credentials = self._tls.credentials()
                 assert credentials is not None
                 self.client.renew(credentials)
@@ -176,27 +171,16 @@ class Gateway:
 
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT (or until the server dies), then shut down; the exit code."""
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        failed = False
-        try:
-            await self.start()
+        async def server_stopped() -> None:
             assert self._main_loop is not None
-            stopped = asyncio.create_task(stop.wait())
-            await asyncio.wait({stopped, self._main_loop}, return_when=asyncio.FIRST_COMPLETED)
-            stopped.cancel()
-            failed = self._main_loop.done()
-            if failed:
-                log.error("gateway: the HTTP server stopped on its own (%s); exiting",
-                          self._main_loop.exception() if not self._main_loop.cancelled() else "cancelled")
-        finally:
-            await self.shutdown()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                with contextlib.suppress(Exception):
-                    loop.remove_signal_handler(sig)
-        return 1 if failed else 0
+            await asyncio.wait({self._main_loop})  # cancelling this wait leaves the server's task alone
+
+        if not await serve_until_signal(self.start, server_stopped, self.shutdown):
+            return 0
+        assert self._main_loop is not None
+        log.error("gateway: the HTTP server stopped on its own (%s); exiting",
+                  self._main_loop.exception() if not self._main_loop.cancelled() else "cancelled")
+        return 1
 
     async def __aenter__(self) -> Self:
         await self.start()

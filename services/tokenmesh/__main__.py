@@ -7,6 +7,7 @@ environment wins; ``GRPC_EXPERIMENTS=`` (empty) keeps gRPC's own defaults.
 
 import os
 import sys
+from collections.abc import MutableMapping
 
 GRPC_EXPERIMENTS = "-event_engine_client"
 """Client channels on gRPC's poll-based I/O, not its EventEngine.
@@ -24,9 +25,14 @@ grpcio no longer knows the experiment.
 """
 
 
+def set_grpc_defaults(environ: MutableMapping[str, str]) -> None:
+    """The gRPC settings above, in a process environment, where it sets none of its own."""
+    environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
+
+
 def main() -> int:
     """Set the gRPC defaults, then run the CLI."""
-    os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
+    set_grpc_defaults(os.environ)
     from tokenmesh.cli import main as cli_main  # after the line above: the CLI imports grpc
 
     return cli_main()

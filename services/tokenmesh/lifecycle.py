@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, Self
 
@@ -161,22 +161,7 @@ class Service(abc.ABC):
         Returns the process exit code: 0 after a signal, 1 when the service
         stopped because a background task died.
         """
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            await self.start()
-            stopped = asyncio.create_task(stop.wait())
-            failed = asyncio.create_task(self._failed.wait())
-            await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
-            for waiter in (stopped, failed):
-                waiter.cancel()
-        finally:
-            await self.shutdown()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                with contextlib.suppress(Exception):
-                    loop.remove_signal_handler(sig)
+        await serve_until_signal(self.start, self._failed.wait, self.shutdown)
         if self._failure is not None:
             log.error("%s stopped because a background task died: %s", self.name, self._failure)
             return 1
@@ -190,3 +175,29 @@ class Service(abc.ABC):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.shutdown()
+
+
+async def serve_until_signal(start: Callable[[], Awaitable[None]], failed: Callable[[], Awaitable[object]],
+                             shutdown: Callable[[], Awaitable[None]]) -> bool:
+    """Start, serve until SIGTERM or SIGINT or until failed() returns, then shut down (on an error too).
+
+    Returns whether failed() returned before a signal came. Every service's
+    :meth:`Service.run` and the HTTP gateway's run this way.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await start()
+        stopped, failure = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(failed())
+        await asyncio.wait({stopped, failure}, return_when=asyncio.FIRST_COMPLETED)
+        failed_first = failure.done()
+        for waiter in (stopped, failure):
+            waiter.cancel()
+        return failed_first
+    finally:
+        await shutdown()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)

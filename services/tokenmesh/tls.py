@@ -19,8 +19,9 @@ were made with.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from tokenmesh.errors import PermissionDenied
 log = logging.getLogger(__name__)
 
 MODES = ("off", "tls", "mtls")
+RENEWAL_POLL_S = 10.0
+"""How often a service looks whether its certificate files were renewed (:meth:`Tls.renewals`)."""
 SPIFFE_PREFIX = "spiffe://tokenmesh/"
 
 ALLOWED: dict[str, frozenset[str] | None] = {
@@ -134,6 +137,14 @@ class Tls:
             return False
         seen, self._seen = self._seen, now
         return seen is not None and now != seen
+
+    async def renewals(self) -> AsyncIterator[None]:
+        """Once per renewal of the certificate files, forever (they are looked at every RENEWAL_POLL_S)."""
+        self.files_changed()  # what is on disk now is not a renewal
+        while True:
+            await asyncio.sleep(RENEWAL_POLL_S)
+            if self.files_changed():
+                yield
 
     def _files(self) -> tuple[bytes, bytes, bytes]:
         s = self._settings

@@ -43,9 +43,9 @@ class TlsMesh:
 
 @pytest.fixture
 async def mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[TlsMesh]:
-    from tokenmesh.router import _service
+    from tokenmesh import tls
 
-    monkeypatch.setattr(_service, "CERTIFICATE_POLL_S", 0.1)  # the router looks for renewed files often
+    monkeypatch.setattr(tls, "RENEWAL_POLL_S", 0.1)  # every service here looks for renewed files often
     folder = make_dev_certs(tmp_path / "certs")
     backends = [FakeBackend(delay=0.01), FakeBackend(delay=0.01)]
     workers = [Worker(WorkerConfig(port=0, drain_grace_s=0.5, **tls_flags(folder, "worker")), backend=b)
@@ -211,11 +211,9 @@ def test_a_bad_key_file_at_start_is_one_line_naming_it_and_exit_2(tmp_path: Path
 
 
 async def test_the_prober_reconnects_with_renewed_certificates_and_its_tables_keep_reaching_the_router(
-    mesh: TlsMesh, monkeypatch: pytest.MonkeyPatch
+    mesh: TlsMesh,
 ) -> None:
-    from tokenmesh.prober import Prober, ProberConfig, _prober
-
-    monkeypatch.setattr(_prober, "CERTIFICATE_POLL_S", 0.1)
+    from tokenmesh.prober import Prober, ProberConfig
     prober = Prober(ProberConfig(port=0, workers=tuple(w.host.address for w in mesh.workers),
                                  routers=(mesh.router.host.address,), interval_s=0.1,
                                  **tls_flags(mesh.folder, "prober")))
@@ -235,13 +233,10 @@ async def test_the_prober_reconnects_with_renewed_certificates_and_its_tables_ke
         await prober.shutdown()
 
 
-async def test_the_gateway_renews_its_channels_to_the_routers(mesh: TlsMesh, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_gateway_renews_its_channels_to_the_routers(mesh: TlsMesh) -> None:
     import httpx
 
     from tokenmesh_gateway import Gateway, GatewayConfig
-    from tokenmesh_gateway import _service as gateway_service
-
-    monkeypatch.setattr(gateway_service, "CERTIFICATE_POLL_S", 0.1)
     gateway = Gateway(GatewayConfig(port=0, routers=(mesh.router.host.address,), **tls_flags(mesh.folder, "gateway")))
     await gateway.start()
     try:

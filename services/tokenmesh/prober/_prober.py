@@ -33,8 +33,6 @@ from tokenmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grp
 
 log = logging.getLogger(__name__)
 
-CERTIFICATE_POLL_S = 10.0
-"""How often the prober looks whether its certificate files were renewed (its channels follow)."""
 
 
 @dataclass
@@ -292,11 +290,7 @@ class Prober(Service):
 
     async def _follow_certificates(self) -> None:
         """Renewed certificate files: reconnect to every worker and router with the new certificate."""
-        self.tls.files_changed()
-        while True:
-            await asyncio.sleep(CERTIFICATE_POLL_S)
-            if not self.tls.files_changed():
-                continue
+        async for _ in self.tls.renewals():
             log.info("TLS certificate files changed: new channels to %d workers and routers", len(self._links))
             for (kind, address), (old, tasks) in list(self._links.items()):
                 for task in tasks:

@@ -37,8 +37,6 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_p
 
 log = logging.getLogger(__name__)
 
-CERTIFICATE_POLL_S = 10.0
-"""How often the router looks whether its certificate files were renewed (its channels to workers follow)."""
 
 
 
@@ -252,11 +250,7 @@ class Router(Service):
         The old channels stay open until the router stops: the streams on them
         run to their end on the connection they started on.
         """
-        self.tls.files_changed()
-        while True:
-            await asyncio.sleep(CERTIFICATE_POLL_S)
-            if not self.tls.files_changed():
-                continue
+        async for _ in self.tls.renewals():
             log.info("TLS certificate files changed: new channels to %d workers", len(self._channels))
             for address, old in list(self._channels.items()):
                 channel = self.tls.channel(address, WORKER_CHANNEL_OPTIONS)
