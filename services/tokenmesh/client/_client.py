@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import random
 import socket
@@ -31,6 +30,7 @@ from typing import Any, Self
 import grpc
 
 from tokenmesh.config import address_error
+from tokenmesh.discovery import join, literal_ip
 from tokenmesh.errors import ANSWERED, DeadlineExceeded, MeshError, Unavailable, from_rpc_error
 from tokenmesh.retry import retry_hint_s
 from tokenmesh.server import CHANNEL_OPTIONS
@@ -146,12 +146,9 @@ class Client:
         found: list[str] = []
         for name in self._names:
             host, _, port = name.rpartition(":")
-            try:
-                ipaddress.ip_address(host.strip("[]"))
+            if literal_ip(host):
                 found.append(name)
                 continue
-            except ValueError:
-                pass
             try:
                 infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
             except OSError as exc:
@@ -159,8 +156,7 @@ class Client:
                 found.append(name)
                 continue
             for info in infos:
-                ip = str(info[4][0])
-                address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                address = join(str(info[4][0]), port)
                 if address not in found:
                     found.append(address)
         self._addresses = found or list(self._names)
