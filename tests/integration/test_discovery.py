@@ -25,6 +25,8 @@ pytestmark = pytest.mark.integration
 
 INTERVAL_S = 1.0
 STREAMS = 6
+LATE = 4
+"""Requests sent once the first worker drains; they must all reach the second."""
 TOKENS = 4000
 RATE = 500
 """Tokens/s per stream: 8 s per stream, long enough for the records to change twice while they run."""
@@ -82,7 +84,8 @@ def test_workers_added_and_removed_in_dns_while_streams_run(tmp_path: Path) -> N
                 request = inference_pb2.GenerateRequest(prompt=f"caller {i}", max_tokens=TOKENS, request_id=f"s{i}")
                 return list(inference.Generate(request, timeout=120))
 
-            with ThreadPoolExecutor(STREAMS) as pool:
+            # A thread for each long stream and each late request: the late ones must run while the long ones do.
+            with ThreadPoolExecutor(STREAMS + LATE) as pool:
                 running = [pool.submit(stream, i) for i in range(STREAMS)]
                 wait_for(lambda t: sum(w.in_flight for w in t.workers) == STREAMS, 10)
                 # A worker is added to the records: it serves within two intervals.
@@ -97,11 +100,11 @@ def test_workers_added_and_removed_in_dns_while_streams_run(tmp_path: Path) -> N
                 served_before = {w.address: w.served_total for w in table().workers}
                 # New work goes only to the worker still listed.
                 late = [pool.submit(lambda i=i: list(inference.Generate(inference_pb2.GenerateRequest(
-                    prompt=f"late {i}", max_tokens=50), timeout=60))) for i in range(4)]
+                    prompt=f"late {i}", max_tokens=50), timeout=60))) for i in range(LATE)]
                 finals = [f.result()[-1] for f in late]
                 rows = {w.address: w for w in table().workers}
                 assert rows[first].served_total + rows[first].in_flight == STREAMS  # nothing new went there
-                assert rows[second].served_total == served_before[second] + 4
+                assert rows[second].served_total == served_before[second] + LATE
                 results = [f.result() for f in running]
             # Once its streams ended, the drained worker is dropped; the prober's table no longer names it.
             wait_for(lambda t: [w.address for w in t.workers] == [second], 3 * INTERVAL_S)
