@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +173,8 @@ def test_gateway_settings_are_checked(tmp_path: Path) -> None:
         ({"routers": ("r:1",), "max_body_bytes": 10}, "max_body_bytes"),
         ({"routers": ("r:1",), "keepalive_s": 0}, "keepalive_s"),
         ({"routers": ("r:1",), "timeout_s": -1}, "timeout_s"),
+        ({"routers": ("r:1",), "drain_tail_s": -1}, "drain_tail_s must be >= 0"),
+        ({"routers": ("r:1",), "stop_grace_s": -0.5}, "stop_grace_s must be >= 0"),
         ({"routers": ("r:1",), "api_keys_file": str(tmp_path / "missing")}, "cannot read"),
     ):
         with pytest.raises(ConfigError, match=words):
@@ -198,6 +201,19 @@ def test_the_gateway_command_checks_its_config() -> None:
     bad = subprocess.run([sys.executable, "-m", "tokenmesh", "gateway", "--check-config"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "at least one router" in bad.stderr
+
+
+def test_the_gateway_grace_periods_are_settings_with_flags_and_env() -> None:
+    defaults = GatewayConfig(routers=("r:1",))
+    assert (defaults.drain_grace_s, defaults.drain_tail_s, defaults.stop_grace_s) == (30.0, 2.0, 2.0)
+    env = {**os.environ, "TOKENMESH_GATEWAY_STOP_GRACE_S": "0.5"}
+    done = subprocess.run([sys.executable, "-m", "tokenmesh", "gateway", "--routers", "a:1", "--drain-tail-s", "0.25",
+                           "--check-config"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "drain_tail_s = 0.25" in done.stdout and "stop_grace_s = 0.5" in done.stdout
+    helped = subprocess.run([sys.executable, "-m", "tokenmesh", "gateway", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert "TOKENMESH_GATEWAY_DRAIN_TAIL_S" in helped.stdout and "TOKENMESH_GATEWAY_STOP_GRACE_S" in helped.stdout
 
 
 async def test_headers_over_the_limit_get_431_and_the_gateway_serves_on() -> None:
