@@ -1,17 +1,11 @@
 """The gateway's routes, as one raw ASGI application over :class:`tokenmesh.client.Client`.
 
-=========  ==========================================  =================================================
-method     path                                        what
-=========  ==========================================  =================================================
-POST       /v1/chat/completions, /v1/completions       a generation, streamed (SSE) or whole; with
-                                                       ``Last-Event-ID``: resume a stream after that event
-GET        /v1/chat/completions/{id}/stream (and       resume a stream after ``Last-Event-ID`` (or
-           /v1/completions/{id}/stream)                ``?starting_after=SEQ``; from the start without)
-DELETE     /v1/chat/completions/{id} (and              cancel the generation, wherever it runs
-           /v1/completions/{id})
-GET        /v1/models, /v1/models/{model}              the models the mesh serves now
-GET        /health                                     200 while serving, 503 once draining
-=========  ==========================================  =================================================
+:data:`ROUTES` is the one list of what the gateway serves: each route's method,
+path template, what it does and its endpoint. It drives dispatch (once per
+request; a stream's chunks never pass through it), the 404 for a path no route
+has, the 405 with ``Allow`` for a method a path does not take, the route label
+of the requests counter (the template, never the caller's path) and the docs
+(:func:`routes_markdown`).
 
 With API keys, a caller's ``X-Request-Id`` is kept apart per tenant (the
 mesh sees ``<tenant>/<id>``), so one tenant can neither resume nor cancel
@@ -23,7 +17,8 @@ from __future__ import annotations
 import re
 import time
 import urllib.parse
-from collections.abc import Awaitable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -45,10 +40,6 @@ from tokenmesh_gateway._stream import Answer, Exchanges
 REQUEST_ID = re.compile(r"[A-Za-z0-9._~:-]{1,128}")
 """What an ``X-Request-Id`` may be: no '/', so it is one path segment (and tenants' ids stay apart)."""
 
-_GENERATE: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-_BY_ID = re.compile(r"/v1/(chat/completions|completions)/([^/]+)(/stream)?")
-_MODEL = re.compile(r"/v1/models/([^/]+)")
-_KINDS: dict[str, Kind] = {"chat/completions": "chat", "completions": "completion"}
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
 
 
@@ -90,54 +81,24 @@ class GatewayApp:
         if scope["type"] != "http":
             return  # no websockets; the lifespan protocol is off
         counted = _Counted(send)
+        label = "other"
         try:
-            await self._route(scope, receive, counted)
+            path: str = scope["path"]
+            found = TABLE.find(path)
+            if found is None:
+                raise HttpError(404, f"no route {path}; this gateway serves {TABLE.listing}", code="not_found")
+            at, params = found
+            label = at.template
+            route = at.methods.get(scope["method"])
+            if route is None:
+                raise _MethodNotAllowed(scope["method"], at.allow)
+            await route.endpoint(self, scope, receive, counted, params)
         except HttpError as error:
             await respond_error(counted, error)
         except ConnectionResetError:
             return  # the caller left before its request was read
         finally:
-            self.requests.labels(_route_label(scope["path"]), str(counted.status or "none")).inc()
-
-    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        method: str = scope["method"]
-        path: str = scope["path"]
-        if path == "/health":
-            _allow(method, "GET")
-            await self._health(send)
-            return
-        if path == "/metrics":
-            _allow(method, "GET")
-            body = generate_latest(self.registry)
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body, "more_body": False})
-            return
-        kind = _GENERATE.get(path)
-        if kind is not None:
-            _allow(method, "POST")
-            await self._generate(kind, scope, receive, send)
-            return
-        if path == "/v1/models":
-            _allow(method, "GET")
-            await self._models(scope, send, None)
-            return
-        if match := _MODEL.fullmatch(path):
-            _allow(method, "GET")
-            await self._models(scope, send, urllib.parse.unquote(match.group(1)))
-            return
-        if match := _BY_ID.fullmatch(path):
-            kind, request_id = _KINDS[match.group(1)], urllib.parse.unquote(match.group(2))
-            if match.group(3):
-                _allow(method, "GET")
-                await self._resume_get(kind, request_id, scope, receive, send)
-            else:
-                _allow(method, "DELETE")
-                await self._cancel(kind, request_id, scope, send)
-            return
-        raise HttpError(404, f"no route {path}; this gateway serves /v1/chat/completions, /v1/completions, "
-                             "/v1/models and /health", code="not_found")
+            self.requests.labels(label, str(counted.status or "none")).inc()
 
     # -- generations ------------------------------------------------------------
 
@@ -259,6 +220,13 @@ class GatewayApp:
         else:
             await respond(send, 200, b'{"status":"ok"}')
 
+    async def _metrics(self, send: Send) -> None:
+        body = generate_latest(self.registry)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
     def _tenant(self, scope: Scope) -> str:
         """The caller's tenant ('' without keys); 401 without a valid key."""
         if self.keys is None:
@@ -293,31 +261,15 @@ class _Counted:
         return self.send(message)
 
 
-def _route_label(path: str) -> str:
-    """A bounded route label: the route's template, never the caller's path."""
-    if path in _GENERATE or path in ("/health", "/metrics", "/v1/models"):
-        return path
-    if _MODEL.fullmatch(path):
-        return "/v1/models/{model}"
-    if match := _BY_ID.fullmatch(path):
-        return f"/v1/{match.group(1)}/{{id}}{match.group(3) or ''}"
-    return "other"
-
-
-def _allow(method: str, allowed: str) -> None:
-    if method != allowed:
-        raise _MethodNotAllowed(method, allowed)
-
-
 class _MethodNotAllowed(HttpError):
-    """405, with the method the route takes."""
+    """405, with the methods the path takes."""
 
     def __init__(self, method: str, allowed: str) -> None:
         super().__init__(405, f"{method} is not allowed here; use {allowed}", code="method_not_allowed")
         self.allowed = allowed
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """The Allow header."""
+        """The Allow header (the path's methods, comma-separated)."""
         return [(b"allow", self.allowed.encode())]
 
 
@@ -362,3 +314,112 @@ def _flag(query: dict[str, list[str]], name: str) -> bool:
 def _model(model: inference_pb2.ModelInfo, created: int) -> dict[str, Any]:
     return {"id": model.name, "object": "model", "created": created, "owned_by": "tokenmesh",
             "max_model_len": model.max_context}
+
+
+# -- the route table ------------------------------------------------------------------
+
+Endpoint = Callable[[GatewayApp, Scope, Receive, Send, dict[str, str]], Awaitable[None]]
+"""An endpoint: the app, the ASGI triple and the path's parameters (``{id}`` -> its unquoted value)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One route: a method on a path template (``{name}`` is one path segment), what it does, its endpoint."""
+
+    method: str
+    path: str
+    """The template; also the route's label in ``tokenmesh_gateway_http_requests_total``."""
+    what: str
+    """One line for the docs (Markdown)."""
+    endpoint: Endpoint = field(repr=False, compare=False)
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("POST", "/v1/chat/completions", "a chat generation, streamed (SSE) or whole; with `Last-Event-ID`: "
+          "resume a stream after that event",
+          lambda app, scope, receive, send, _: app._generate("chat", scope, receive, send)),
+    Route("POST", "/v1/completions", "a completion, streamed (SSE) or whole; with `Last-Event-ID`: resume a "
+          "stream after that event",
+          lambda app, scope, receive, send, _: app._generate("completion", scope, receive, send)),
+    Route("GET", "/v1/chat/completions/{id}/stream", "resume a stream after `Last-Event-ID` (or "
+          "`?starting_after=SEQ`; from the start without)",
+          lambda app, scope, receive, send, p: app._resume_get("chat", p["id"], scope, receive, send)),
+    Route("GET", "/v1/completions/{id}/stream", "resume a stream after `Last-Event-ID` (or "
+          "`?starting_after=SEQ`; from the start without)",
+          lambda app, scope, receive, send, p: app._resume_get("completion", p["id"], scope, receive, send)),
+    Route("DELETE", "/v1/chat/completions/{id}", "cancel the generation, wherever it runs",
+          lambda app, scope, _, send, p: app._cancel("chat", p["id"], scope, send)),
+    Route("DELETE", "/v1/completions/{id}", "cancel the generation, wherever it runs",
+          lambda app, scope, _, send, p: app._cancel("completion", p["id"], scope, send)),
+    Route("GET", "/v1/models", "the models the mesh serves now",
+          lambda app, scope, _, send, __: app._models(scope, send, None)),
+    Route("GET", "/v1/models/{model}", "one model the mesh serves now (404 `model_not_found` if none)",
+          lambda app, scope, _, send, p: app._models(scope, send, p["model"])),
+    Route("GET", "/health", "200 `{\"status\":\"ok\"}` while serving, 503 once draining",
+          lambda app, _, __, send, ___: app._health(send)),
+    Route("GET", "/metrics", "the gateway's Prometheus metrics",
+          lambda app, _, __, send, ___: app._metrics(send)),
+)
+"""Every route the gateway serves; nothing else answers but 404 and 405."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePath:
+    """One path template and the routes on it, by method."""
+
+    template: str
+    methods: dict[str, Route]
+    allow: str
+    """The ``Allow`` header of a 405 here."""
+
+
+class RouteTable:
+    """The routes by path: an exact path is one dict lookup, a template one regex match (once per request)."""
+
+    exact: dict[str, RoutePath]
+    templated: list[tuple[re.Pattern[str], RoutePath]]
+    listing: str
+    """The paths served, for the 404's message."""
+
+    def __init__(self, routes: Iterable[Route]) -> None:
+        by_path: dict[str, dict[str, Route]] = {}
+        for route in routes:
+            methods = by_path.setdefault(route.path, {})
+            if route.method in methods:
+                raise ValueError(f"two routes for {route.method} {route.path}")
+            methods[route.method] = route
+        self.exact, self.templated = {}, []
+        for template, methods in by_path.items():
+            at = RoutePath(template, methods, ", ".join(methods))
+            if "{" in template:
+                self.templated.append((_compile(template), at))
+            else:
+                self.exact[template] = at
+        self.listing = ", ".join(by_path)
+
+    def find(self, path: str) -> tuple[RoutePath, dict[str, str]] | None:
+        """The path's routes and parameters (unquoted), or None when no route has this path."""
+        at = self.exact.get(path)
+        if at is not None:
+            return at, {}
+        for pattern, at in self.templated:
+            if match := pattern.fullmatch(path):
+                return at, {name: urllib.parse.unquote(value) for name, value in match.groupdict().items()}
+        return None
+
+
+def _compile(template: str) -> re.Pattern[str]:
+    """``/v1/models/{model}`` -> a pattern with one named group per ``{name}``, each one path segment."""
+    parts = re.split(r"\{(\w+)\}", template)
+    return re.compile("".join(re.escape(part) if i % 2 == 0 else f"(?P<{part}>[^/]+)"
+                              for i, part in enumerate(parts)))
+
+
+TABLE = RouteTable(ROUTES)
+
+
+def routes_markdown(routes: Iterable[Route] = ROUTES) -> str:
+    """The routes as a Markdown table (method, path, what), for docs/gateway.md."""
+    rows = ["| method | path | what |", "|---|---|---|"]
+    rows += [f"| `{r.method}` | `{r.path}` | {r.what} |" for r in routes]
+    return "\n".join(rows) + "\n"

@@ -34,6 +34,10 @@ class GatewayConfig(TlsSettings):
     max_resumes: int = setting(8, "times one stream may be resumed on another router after its stream broke")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long open streams may take to finish (new requests get "
                                          "503 meanwhile); streams still open then end with an error event")
+    drain_tail_s: float = setting(2.0, "after drain_grace_s, how long the streams it ended get to write their "
+                                       "error event before the HTTP server stops")
+    stop_grace_s: float = setting(2.0, "once the HTTP server stops, how long answers still being written get "
+                                       "before their connections are closed")
     ready_file: str = setting("", "write {address, url, pid} as JSON here once serving")
 
     def __post_init__(self) -> None:
@@ -52,6 +56,8 @@ class GatewayConfig(TlsSettings):
         check(self.retry_deadline_s > 0, f"retry_deadline_s must be > 0, got {self.retry_deadline_s}")
         check(self.max_resumes >= 0, f"max_resumes must be >= 0, got {self.max_resumes}")
         check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        check(self.drain_tail_s >= 0, f"drain_tail_s must be >= 0, got {self.drain_tail_s}")
+        check(self.stop_grace_s >= 0, f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
         if self.api_keys_file:
             load_keys(self.api_keys_file)  # a bad file stops the start, with the line at fault
         self.check_tls()  # HTTPS on the port (mtls: client certificates required), and TLS to the routers

@@ -91,10 +91,25 @@ def decode_body(body: bytes) -> dict[str, Any]:
 
 def parse(body: dict[str, Any], kind: Kind, default_model: str = "") -> Parsed:
     """Check body (a decoded Chat Completions or Completions request) and build the mesh's request."""
+    _refuse_unsupported(body)
+    request = inference_pb2.GenerateRequest(model=_string(body, "model") or default_model)
+    _input(body, kind, request)
+    _limits(body, request)
+    _sampling(body, request)
+    stream = _boolean(body, "stream")
+    include_usage, continuous = _stream_options(body, stream)
+    return Parsed(kind, request, stream, include_usage, continuous)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """400 for a field that would change the answer in a way the mesh cannot honour."""
     for name, neutral in _NEUTRAL.items():
         if name in body and not _is_neutral(body[name], neutral):
             raise invalid(f"{name} is not supported by tokenmesh (got {_short(body[name])}); leave it out", name)
-    request = inference_pb2.GenerateRequest(model=_string(body, "model") or default_model)
+
+
+def _input(body: dict[str, Any], kind: Kind, request: inference_pb2.GenerateRequest) -> None:
+    """The chat's messages or the completion's prompt (the other endpoint's field is refused)."""
     if kind == "chat":
         if "prompt" in body:
             raise invalid("prompt belongs to /v1/completions; send messages here", "prompt")
@@ -103,6 +118,10 @@ def parse(body: dict[str, Any], kind: Kind, default_model: str = "") -> Parsed:
         if "messages" in body:
             raise invalid("messages belongs to /v1/chat/completions; send prompt here", "messages")
         request.prompt = _prompt(body)
+
+
+def _limits(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> None:
+    """max_completion_tokens (or the older max_tokens), within its range."""
     max_tokens = _integer(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens")
@@ -114,6 +133,10 @@ def parse(body: dict[str, Any], kind: Kind, default_model: str = "") -> Parsed:
             raise invalid(f"{limit_name} must be at least 1 and at most the model's context, got {max_tokens}",
                           limit_name)
         request.max_tokens = max_tokens
+
+
+def _sampling(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> None:
+    """The sampling fields (temperature, top_p, seed), stop strings and ignore_eos; and the user label."""
     for name in ("temperature", "top_p"):
         number = _number(body, name)
         if number is not None:
@@ -128,17 +151,19 @@ def parse(body: dict[str, Any], kind: Kind, default_model: str = "") -> Parsed:
     user = _string(body, "user")
     if user:
         request.labels["user"] = user
-    stream = _boolean(body, "stream")
-    include_usage = continuous = False
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """include_usage and continuous_usage_stats (only with include_usage); stream_options needs stream: true."""
     options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise invalid(f"stream_options must be an object, got {_type_name(options)}", "stream_options")
-        if not stream:
-            raise invalid("stream_options can only be set with stream: true", "stream_options")
-        include_usage = _boolean(options, "include_usage", "stream_options.")
-        continuous = _boolean(options, "continuous_usage_stats", "stream_options.") and include_usage
-    return Parsed(kind, request, stream, include_usage, continuous)
+    if options is None:
+        return False, False
+    if not isinstance(options, dict):
+        raise invalid(f"stream_options must be an object, got {_type_name(options)}", "stream_options")
+    if not stream:
+        raise invalid("stream_options can only be set with stream: true", "stream_options")
+    include_usage = _boolean(options, "include_usage", "stream_options.")
+    return include_usage, _boolean(options, "continuous_usage_stats", "stream_options.") and include_usage
 
 
 def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:

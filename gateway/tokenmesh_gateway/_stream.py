@@ -246,12 +246,12 @@ class Exchanges:
         else:
             await respond_error(send, error)
 
-    async def drain(self, grace_s: float) -> None:
-        """Wait up to grace_s for the exchanges in flight to end, then end the rest."""
+    async def drain(self, grace_s: float, tail_s: float) -> None:
+        """Wait up to grace_s for the exchanges in flight to end, then end the rest, giving them tail_s."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.idle.wait(), grace_s)
         for exchange in list(self.active):
             exchange.stopping = True
             exchange.task.cancel()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.idle.wait(), 2.0)
+            await asyncio.wait_for(self.idle.wait(), tail_s)

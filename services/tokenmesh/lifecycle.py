@@ -1,18 +1,24 @@
-"""One lifecycle for every tokenmesh service: start, ready, drain, stop.
+"""One lifecycle for everything tokenmesh runs: start, ready, drain, stop.
 
-A :class:`Service` owns its gRPC server (:class:`~tokenmesh.server.ServiceHost`)
-and its background tasks. Tasks are started with :meth:`Service.spawn` and
-supervised: one that ends or raises while the service runs is logged, the
-service goes NOT_SERVING, drains and stops, and :meth:`Service.run` returns a
-non-zero exit code; there is never a half-alive process that still says
-SERVING. :meth:`Service.shutdown` is idempotent, and a second caller waits for
-the first to finish. ``async with service:`` starts and shuts down.
+:class:`Lifecycle` is the contract without a server: a start guard, supervised
+background tasks, an idempotent shutdown, ``async with`` and :meth:`~Lifecycle.run`.
+:class:`Service` builds it on a gRPC server (:class:`~tokenmesh.server.ServiceHost`)
+for the router, worker and prober; the HTTP gateway builds it on uvicorn.
 
-A service implements three hooks: :meth:`Service._start` (listen, start
-backends and tasks, then ``host.set_ready(True)``), :meth:`Service._drain`
-(readiness is off already; let in-flight work finish within the service's
-``drain_grace_s``) and :meth:`Service._close` (release channels and
-backends; background tasks are cancelled and the server stopped before it).
+Tasks are started with :meth:`Lifecycle.spawn` and supervised: one that ends or
+raises while the service runs is logged, the service goes NOT_SERVING, drains
+and stops, :meth:`Lifecycle.run` returns a non-zero exit code and ``async with``
+raises the task's exception (its body is cancelled, as :func:`asyncio.timeout`
+does); there is never a half-alive process that still says SERVING. A task that
+dies while the service starts fails the start. :meth:`Lifecycle.shutdown` is
+idempotent, and a second caller waits for the first to finish; a second start raises.
+
+The shutdown runs the hooks in this order: ``_set_ready(False)``, :meth:`~Lifecycle._drain`
+(let in-flight work finish within ``drain_grace_s``), background tasks cancelled,
+:meth:`~Lifecycle._stop` (the server stops, giving calls still open ``stop_grace_s``),
+:meth:`~Lifecycle._close` (release channels, backends and files): the server
+stops before what it serves from (vLLM's order), so no call still open meets a
+closed backend or channel.
 """
 
 from __future__ import annotations
@@ -35,38 +41,47 @@ TASK_STOP_S = 5.0
 
 
 class ServiceFailed(RuntimeError):
-    """A background task of the service died; the service stopped because of it."""
+    """A background task of the service ended on its own; the service stopped because of it."""
 
 
-class Service(abc.ABC):
-    """Lifecycle of one service process.
+class Lifecycle(abc.ABC):
+    """Lifecycle of one running thing, whatever it serves with.
+
+    A host kind (gRPC: :class:`Service`; HTTP: the gateway) implements
+    :meth:`_set_ready` and, where it has them, :meth:`_open` and :meth:`_stop`;
+    each service implements :meth:`_start` and, where it needs them,
+    :meth:`_drain` and :meth:`_close`.
 
     Args:
-        host: the service's gRPC server (health answers liveness/readiness from it).
         drain_grace_s: how long in-flight work may take to finish once draining starts.
-        stop_grace_s: after the drain, how long calls still open (health watches, stats
-            streams) get before the server ends them.
+        stop_grace_s: after the drain, how long calls still open get before the server ends them.
 
     """
 
-    host: ServiceHost
     drain_grace_s: float
     stop_grace_s: float
     _tasks: set[asyncio.Task[Any]]
     _started: bool
+    _serving: bool
+    """Started and not failed at it: a task that dies from now on begins the shutdown."""
     _shutdown_task: asyncio.Task[None] | None
     _failure: BaseException | None
     _failed: asyncio.Event
+    _body: asyncio.Task[Any] | None
+    """The task inside ``async with`` (cancelled when a background task dies)."""
+    _body_cancelled: bool
 
-    def __init__(self, host: ServiceHost, *, drain_grace_s: float, stop_grace_s: float) -> None:
-        self.host = host
+    def __init__(self, *, drain_grace_s: float, stop_grace_s: float) -> None:
         self.drain_grace_s = drain_grace_s
         self.stop_grace_s = stop_grace_s
         self._tasks = set()
         self._started = False
+        self._serving = False
         self._shutdown_task = None
         self._failure = None
         self._failed = asyncio.Event()
+        self._body = None
+        self._body_cancelled = False
 
     @property
     def name(self) -> str:
@@ -85,29 +100,42 @@ class Service(abc.ABC):
 
     # -- hooks ------------------------------------------------------------
 
+    async def _open(self) -> None:  # noqa: B027 - a host kind may have nothing to open before the service starts
+        """The host's part of the start, before :meth:`_start` (a gRPC server binds its ports)."""
+
     @abc.abstractmethod
     async def _start(self) -> None:
-        """Listen, start backends and background tasks; end with ``await self.host.set_ready(True)``."""
+        """Start backends, servers and background tasks; end ready (``_set_ready(True)`` or its equal)."""
+
+    @abc.abstractmethod
+    async def _set_ready(self, ready: bool) -> None:
+        """Say whether the service takes new work (health checks, /health)."""
 
     async def _drain(self) -> None:  # noqa: B027 - a service without in-flight work needs no drain
         """Readiness is off: let in-flight work finish within ``drain_grace_s``."""
 
+    async def _stop(self) -> None:  # noqa: B027 - a host kind may have no server of its own
+        """Stop the server, giving calls still open ``stop_grace_s`` (background tasks are cancelled already)."""
+
     async def _close(self) -> None:  # noqa: B027 - a service may own nothing beyond its host
-        """Release channels, backends and files (background tasks are cancelled already)."""
+        """Release channels, backends and files (the server is stopped already)."""
 
     # -- lifecycle --------------------------------------------------------
 
     async def start(self) -> None:
-        """Start and become ready; a failed start shuts down what it started, then raises."""
+        """Start and become ready; a failed start (a task that died meanwhile too) shuts down, then raises."""
         if self._started:
             raise RuntimeError(f"{self.name} was started already; make a new one")
         self._started = True
         try:
-            await self.host.start()
+            await self._open()
             await self._start()
+            if self._failure is not None:
+                raise self._failure
         except BaseException:
             await self.shutdown()
             raise
+        self._serving = True
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run ``coro`` as a supervised background task: if it ends while the service runs, the service stops."""
@@ -118,13 +146,18 @@ class Service(abc.ABC):
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if task.cancelled() or self.draining:
+        if task.cancelled() or self.draining or self._failure is not None:
             return
         error = task.exception() or ServiceFailed(f"background task {task.get_name()} ended on its own")
         log.error("%s: background task %s died (%s); NOT_SERVING, draining and exiting",
                   self.name, task.get_name(), error, exc_info=error)
         self._failure = error
         self._failed.set()
+        if not self._serving:
+            return  # start() raises it once what it awaits returns
+        if self._body is not None and not self._body.done():
+            self._body_cancelled = True
+            self._body.cancel()
         self._shutdown_task = asyncio.create_task(self._shutdown())
 
     async def shutdown(self) -> None:
@@ -137,7 +170,7 @@ class Service(abc.ABC):
         began = asyncio.get_running_loop().time()
         log.info("%s draining (grace %g s)", self.name, self.drain_grace_s)
         try:
-            await self.host.set_ready(False)
+            await self._set_ready(False)
             if self._started:
                 await self._drain()
         finally:
@@ -147,9 +180,7 @@ class Service(abc.ABC):
             if tasks:
                 await asyncio.wait(tasks, timeout=TASK_STOP_S)
             try:
-                # The server stops before what it serves from (vLLM's order): no call
-                # still open meets a closed backend or channel.
-                await self.host.stop(self.stop_grace_s)
+                await self._stop()
             finally:
                 await self._close()
                 log.info("%s stopped %.1f s after draining began", self.name,
@@ -159,9 +190,13 @@ class Service(abc.ABC):
         """Start, serve until SIGTERM or SIGINT (or until a background task dies), then shut down.
 
         Returns the process exit code: 0 after a signal, 1 when the service
-        stopped because a background task died.
+        stopped because a background task died (during the start too).
         """
-        await serve_until_signal(self.start, self._failed.wait, self.shutdown)
+        try:
+            await serve_until_signal(self.start, self._failed.wait, self.shutdown)
+        except Exception as exc:
+            if exc is not self._failure:
+                raise
         if self._failure is not None:
             log.error("%s stopped because a background task died: %s", self.name, self._failure)
             return 1
@@ -169,12 +204,52 @@ class Service(abc.ABC):
 
     async def __aenter__(self) -> Self:
         await self.start()
+        self._body = asyncio.current_task()
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        """Shut down; raise the failure of a background task that died, unless another exception is on its way."""
+        body, self._body = self._body, None
         await self.shutdown()
+        ours = False
+        if self._body_cancelled and body is not None:
+            # The CancelledError of our own cancel becomes the failure; another cancel goes on.
+            ours = body.uncancel() == 0 and isinstance(exc, asyncio.CancelledError)
+        if self._failure is not None and (exc is None or ours):
+            raise self._failure
+
+
+class Service(Lifecycle):
+    """Lifecycle of one gRPC service process (router, worker, prober).
+
+    Args:
+        host: the service's gRPC server (health answers liveness/readiness from it).
+        drain_grace_s: how long in-flight work may take to finish once draining starts.
+        stop_grace_s: after the drain, how long calls still open (health watches, stats
+            streams) get before the server ends them.
+
+    """
+
+    host: ServiceHost
+
+    def __init__(self, host: ServiceHost, *, drain_grace_s: float, stop_grace_s: float) -> None:
+        super().__init__(drain_grace_s=drain_grace_s, stop_grace_s=stop_grace_s)
+        self.host = host
+
+    async def _open(self) -> None:
+        await self.host.start()
+
+    @abc.abstractmethod
+    async def _start(self) -> None:
+        """Listen, start backends and background tasks; end with ``await self.host.set_ready(True)``."""
+
+    async def _set_ready(self, ready: bool) -> None:
+        await self.host.set_ready(ready)
+
+    async def _stop(self) -> None:
+        await self.host.stop(self.stop_grace_s)
 
 
 async def serve_until_signal(start: Callable[[], Awaitable[None]], failed: Callable[[], Awaitable[object]],

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +16,7 @@ import pytest
 
 from tokenmesh.config import ConfigError
 from tokenmesh_gateway import GatewayConfig, HttpError, hash_key, load_keys
+from tokenmesh_gateway._app import ROUTES, TABLE, routes_markdown
 from tokenmesh_gateway._openai import parse
 
 from .conftest import InProcessMesh
@@ -163,6 +167,93 @@ async def test_bad_requests_over_http_are_precise_4xx_with_the_openai_error(mesh
             assert response.status_code == 200 and response.json()["choices"][0]["text"] == "tok0 tok1 "
 
 
+# -- the route table ---------------------------------------------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
+
+
+def _dead_router() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+def _concrete(template: str) -> str:
+    return re.sub(r"\{\w+\}", "x1", template)
+
+
+def _labels(metrics: str) -> set[tuple[str, str]]:
+    return set(re.findall(r'tokenmesh_gateway_http_requests_total\{route="([^"]*)",status="([^"]*)"\}', metrics))
+
+
+async def test_a_method_a_route_does_not_take_is_405_with_allow_naming_its_method() -> None:
+    expected = {  # every kind of route, written out: the table must say the same
+        "/v1/chat/completions": "POST", "/v1/completions": "POST",
+        "/v1/chat/completions/x1/stream": "GET", "/v1/completions/x1/stream": "GET",
+        "/v1/chat/completions/x1": "DELETE", "/v1/completions/x1": "DELETE",
+        "/v1/models": "GET", "/v1/models/x1": "GET", "/health": "GET", "/metrics": "GET",
+    }
+    assert {_concrete(r.path): r.method for r in ROUTES} == expected
+    async with gateway_over(None, routers=(_dead_router(),), retry_deadline_s=0.2) as gateway:
+        async with httpx.AsyncClient(base_url=f"http://{gateway.address}") as http:
+            for path, allowed in expected.items():
+                for method in {"GET", "POST", "DELETE", "PUT", "PATCH"} - {allowed}:
+                    response = await http.request(method, path, content=b"{}" if method != "GET" else None)
+                    where = f"{method} {path}"
+                    assert response.status_code == 405, (where, response.text)
+                    assert response.headers["allow"] == allowed, where
+                    error = response.json()["error"]
+                    assert error["code"] == "method_not_allowed" and f"use {allowed}" in error["message"], where
+
+
+async def test_a_path_no_route_has_is_404_naming_the_paths_served() -> None:
+    async with gateway_over(None, routers=(_dead_router(),)) as gateway:
+        async with httpx.AsyncClient(base_url=f"http://{gateway.address}") as http:
+            for method, path in (("GET", "/v1/models/"), ("DELETE", "/v1/chat/completions/a/b"), ("POST", "/v2/chat"),
+                                 ("GET", "/v1/completions/x/stream/more"), ("GET", "/healthz"), ("PUT", "/")):
+                response = await http.request(method, path)
+                assert response.status_code == 404, (method, path, response.text)
+                assert "allow" not in response.headers
+                error = response.json()["error"]
+                assert error["code"] == "not_found"
+                assert f"no route {path};" in error["message"] and "/v1/chat/completions" in error["message"]
+            metrics = (await http.get("/metrics")).text
+    assert {label for label, status in _labels(metrics) if status == "404"} == {"other"}
+
+
+async def test_the_requests_counter_labels_each_request_with_its_route_template_never_the_path(
+    mesh: InProcessMesh,
+) -> None:
+    async with gateway_over(mesh) as gateway:
+        async with httpx.AsyncClient(base_url=f"http://{gateway.address}") as http:
+            for route in ROUTES:
+                wrong = "PATCH"
+                assert (await http.request(wrong, _concrete(route.path))).status_code == 405
+            assert (await http.get("/health")).status_code == 200
+            assert (await http.get("/v1/models/some-model")).status_code == 404  # the route's own 404
+            assert (await http.get("/nowhere")).status_code == 404
+            metrics = (await http.get("/metrics")).text
+    labels = _labels(metrics)
+    assert {label for label, status in labels if status == "405"} == {r.path for r in ROUTES}
+    assert ("/health", "200") in labels and ("/v1/models/{model}", "404") in labels and ("other", "404") in labels
+    assert not any("x1" in label or "some-model" in label for label, _ in labels)
+
+
+def test_the_route_table_renders_as_the_docs_table() -> None:
+    table = routes_markdown()
+    for route in ROUTES:
+        assert f"| `{route.method}` | `{route.path}` | {route.what} |" in table
+    assert len(table.splitlines()) == len(ROUTES) + 2
+    found = TABLE.find("/v1/chat/completions/a%20b/stream")
+    assert found is not None and found[0].template == "/v1/chat/completions/{id}/stream"
+    assert found[1] == {"id": "a b"}  # a parameter is unquoted
+    if not DOCS.exists():
+        pytest.skip("docs/gateway.md is not in this tree yet")
+    docs = DOCS.read_text()
+    missing = [f"{r.method} {r.path}" for r in ROUTES if r.path not in docs]
+    assert not missing, f"docs/gateway.md does not list: {missing}"
+
+
 def test_gateway_settings_are_checked(tmp_path: Path) -> None:
     assert GatewayConfig(routers=("r:50051",)).port == 8000
     for settings, words in (
@@ -172,6 +263,8 @@ def test_gateway_settings_are_checked(tmp_path: Path) -> None:
         ({"routers": ("r:1",), "max_body_bytes": 10}, "max_body_bytes"),
         ({"routers": ("r:1",), "keepalive_s": 0}, "keepalive_s"),
         ({"routers": ("r:1",), "timeout_s": -1}, "timeout_s"),
+        ({"routers": ("r:1",), "drain_tail_s": -1}, "drain_tail_s must be >= 0"),
+        ({"routers": ("r:1",), "stop_grace_s": -0.5}, "stop_grace_s must be >= 0"),
         ({"routers": ("r:1",), "api_keys_file": str(tmp_path / "missing")}, "cannot read"),
     ):
         with pytest.raises(ConfigError, match=words):
@@ -198,6 +291,19 @@ def test_the_gateway_command_checks_its_config() -> None:
     bad = subprocess.run([sys.executable, "-m", "tokenmesh", "gateway", "--check-config"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "at least one router" in bad.stderr
+
+
+def test_the_gateway_grace_periods_are_settings_with_flags_and_env() -> None:
+    defaults = GatewayConfig(routers=("r:1",))
+    assert (defaults.drain_grace_s, defaults.drain_tail_s, defaults.stop_grace_s) == (30.0, 2.0, 2.0)
+    env = {**os.environ, "TOKENMESH_GATEWAY_STOP_GRACE_S": "0.5"}
+    done = subprocess.run([sys.executable, "-m", "tokenmesh", "gateway", "--routers", "a:1", "--drain-tail-s", "0.25",
+                           "--check-config"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "drain_tail_s = 0.25" in done.stdout and "stop_grace_s = 0.5" in done.stdout
+    helped = subprocess.run([sys.executable, "-m", "tokenmesh", "gateway", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert "TOKENMESH_GATEWAY_DRAIN_TAIL_S" in helped.stdout and "TOKENMESH_GATEWAY_STOP_GRACE_S" in helped.stdout
 
 
 async def test_headers_over_the_limit_get_431_and_the_gateway_serves_on() -> None:

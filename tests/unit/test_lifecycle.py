@@ -1,20 +1,25 @@
-"""One lifecycle for every service: supervised loops, liveness vs readiness, idempotent shutdown."""
+"""One lifecycle for every service and the gateway: supervised loops, liveness vs readiness, idempotent shutdown."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tokenmesh.lifecycle import Lifecycle
 from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
@@ -233,3 +238,152 @@ def test_a_taken_port_is_a_one_line_error_and_exit_code_1() -> None:
     assert last == (f"tokenmesh router: error: cannot listen on 127.0.0.1:{port} (in use or not permitted); "
                     "choose another --port (0 picks a free one)")
     assert "Traceback" not in done.stderr
+
+
+# -- async with, and the gateway on the same lifecycle --------------------------------------------------------
+
+
+class _Loops(Lifecycle):
+    """A lifecycle with no server at all: one background loop that raises once told to."""
+
+    def __init__(self) -> None:
+        super().__init__(drain_grace_s=0, stop_grace_s=0)
+        self.ready = False
+        self.closed = False
+        self.die = asyncio.Event()
+
+    async def _start(self) -> None:
+        self.spawn(self._loop(), "loop")
+        self.ready = True
+
+    async def _loop(self) -> None:
+        await self.die.wait()
+        raise RuntimeError("loop bug")
+
+    async def _set_ready(self, ready: bool) -> None:
+        self.ready = ready
+
+    async def _close(self) -> None:
+        self.closed = True
+
+
+async def test_async_with_cancels_its_body_and_raises_the_failure_of_a_task_that_died(
+    mesh: InProcessMesh, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pushed = asyncio.Event()
+
+    async def broken_push(self: Prober, link: Any, channel: grpc.aio.Channel) -> None:
+        await pushed.wait()
+        raise RuntimeError("push loop bug")
+
+    monkeypatch.setattr(Prober, "_push", broken_push)
+    prober = Prober(ProberConfig(port=0, workers=tuple(w.host.address for w in mesh.workers),
+                                 routers=(mesh.router.host.address,), interval_s=0.05))
+    reached = False
+    with pytest.raises(RuntimeError, match="push loop bug"):
+        async with prober:
+            assert prober.host.health.status("readiness") == SERVING
+            pushed.set()
+            await asyncio.sleep(10)  # cancelled when the push loop dies
+            reached = True
+    assert not reached
+    assert prober.host.health.status("readiness") == NOT_SERVING
+    assert prober.host.health.status("liveness") == NOT_SERVING  # stopped, not only drained
+    current = asyncio.current_task()
+    assert current is not None and current.cancelling() == 0  # the cancel of the body was taken back
+
+
+async def test_async_with_raises_the_failure_even_when_its_body_swallowed_the_cancel() -> None:
+    loops = _Loops()
+    with pytest.raises(RuntimeError, match="loop bug"):
+        async with loops:
+            assert loops.ready
+            loops.die.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(10)
+    assert not loops.ready and loops.closed
+    assert isinstance(loops.failure, RuntimeError)
+
+
+async def test_an_exception_of_the_body_itself_wins_over_a_later_failure() -> None:
+    loops = _Loops()
+    with pytest.raises(ValueError, match="the body's own"):
+        async with loops:
+            raise ValueError("the body's own")
+    assert loops.failure is None and loops.closed
+
+
+async def test_a_task_that_dies_while_the_service_starts_fails_the_start() -> None:
+    class DiesAtOnce(_Loops):
+        async def _start(self) -> None:
+            self.die.set()
+            await super()._start()
+            await asyncio.sleep(0.05)  # the loop dies meanwhile
+
+    loops = DiesAtOnce()
+    with pytest.raises(RuntimeError, match="loop bug"):
+        await loops.start()
+    assert loops.closed and not loops.ready
+    assert await DiesAtOnce().run() == 1  # and run() says so with its exit code
+
+
+def _gateway_tls(folder: Path) -> dict[str, str]:
+    return {"tls_mode": "tls", "tls_cert": str(folder / "gateway.crt"), "tls_key": str(folder / "gateway.key"),
+            "tls_ca": str(folder / "ca.crt")}
+
+
+async def test_a_dying_certificate_task_stops_the_gateway_with_exit_code_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tokenmesh import tls
+    from tokenmesh.certs import make_dev_certs
+    from tokenmesh.client import Client
+    from tokenmesh_gateway import Gateway, GatewayConfig
+
+    def broken_renew(self: Client, credentials: grpc.ChannelCredentials) -> None:
+        raise RuntimeError("renewal bug")
+
+    monkeypatch.setattr(tls, "RENEWAL_POLL_S", 0.05)
+    monkeypatch.setattr(Client, "renew", broken_renew)
+    folder = make_dev_certs(tmp_path / "certs")
+    gateway = Gateway(GatewayConfig(port=0, routers=(_closed_port(),), **_gateway_tls(folder)))
+    run = asyncio.create_task(gateway.run())
+    try:
+        verify = ssl.create_default_context(cafile=str(folder / "ca.crt"))
+        async with httpx.AsyncClient(verify=verify) as http:
+            await wait_until(lambda: gateway.port != 0 and gateway.app is not None)
+            health = f"https://127.0.0.1:{gateway.port}/health"
+            assert (await http.get(health)).status_code == 200
+            await asyncio.sleep(0.2)  # the renewal loop has read the files as they are
+            cert = folder / "gateway.crt"
+            cert.write_bytes(cert.read_bytes() + b"\n")  # renewed: the loop renews the channels, which raises
+            assert await asyncio.wait_for(run, 10) == 1
+            assert isinstance(gateway.failure, RuntimeError) and "renewal bug" in str(gateway.failure)
+            assert gateway.app is not None and gateway.app.draining
+            with pytest.raises(httpx.ConnectError):
+                await http.get(health)  # stopped, not half-alive
+    finally:
+        await gateway.shutdown()
+        run.cancel()
+
+
+async def test_the_gateway_starts_once_and_a_second_shutdown_waits_for_the_first() -> None:
+    from tokenmesh_gateway import Gateway, GatewayConfig
+
+    gateway = Gateway(GatewayConfig(port=0, routers=(_closed_port(),), drain_grace_s=0.2))
+    async with gateway:
+        with pytest.raises(RuntimeError, match="gateway was started already"):
+            await gateway.start()
+        async with httpx.AsyncClient() as http:
+            assert (await http.get(f"http://{gateway.address}/health")).status_code == 200
+            first = asyncio.create_task(gateway.shutdown())
+            second = asyncio.create_task(gateway.shutdown())
+            await asyncio.sleep(0)
+            await second
+            assert first.done() or await asyncio.wait_for(first, 1) is None
+            with pytest.raises(httpx.ConnectError):  # the second returned once the first had stopped the server
+                await http.get(f"http://{gateway.address}/health")
+    await gateway.shutdown()
+    assert gateway.failure is None
+    with pytest.raises(RuntimeError, match="started already"):
+        await gateway.start()
