@@ -116,28 +116,57 @@ def option_rows(parser: argparse.ArgumentParser, skip: set[str]) -> list[str]:
 def render() -> str:
     """The whole of docs/configuration.md."""
     parser = build_parser()
-    out = [HEADER, "## Every command", "",
-           "Options of `tokenmesh` itself, before the command (`tokenmesh --log-format json router ...`); "
-           "`tokenmesh up` passes them on to the services it starts.", "",
-           "| option | default | meaning |", "| --- | --- | --- |", *option_rows(parser, set()), ""]
+    out = [
+        HEADER,
+        "## Every command",
+        "",
+        "Options of `tokenmesh` itself, before the command (`tokenmesh --log-format json router ...`); "
+        "`tokenmesh up` passes them on to the services it starts.",
+        "",
+        "| option | default | meaning |",
+        "| --- | --- | --- |",
+        *option_rows(parser, set()),
+        "",
+    ]
     commands = services(parser)
     for name, what, sub, cls in commands:
         if cls is None:
             continue
         fields = {f.name for f in dataclasses.fields(cls)}
-        out += [f"## `tokenmesh {name}`", "", _sentence(what), "",
-                "| flag | environment | default | meaning |", "| --- | --- | --- | --- |",
-                *setting_rows(name, cls), ""]
+        out += [
+            f"## `tokenmesh {name}`",
+            "",
+            _sentence(what),
+            "",
+            "| flag | environment | default | meaning |",
+            "| --- | --- | --- | --- |",
+            *setting_rows(name, cls),
+            "",
+        ]
         extra = option_rows(sub, fields | {"config_cls"})
         if extra:
-            out += ["Options that are not settings:", "", "| option | default | meaning |", "| --- | --- | --- |",
-                    *extra, ""]
+            out += [
+                "Options that are not settings:",
+                "",
+                "| option | default | meaning |",
+                "| --- | --- | --- |",
+                *extra,
+                "",
+            ]
     out += ["## Other commands", "", "Their options are flags only (`--addr` also reads `TOKENMESH_ADDR`).", ""]
     for name, what, sub, cls in commands:
         if cls is not None:
             continue
-        out += [f"### `tokenmesh {name}`", "", _sentence(what), "",
-                "| option | default | meaning |", "| --- | --- | --- |", *option_rows(sub, set()), ""]
+        out += [
+            f"### `tokenmesh {name}`",
+            "",
+            _sentence(what),
+            "",
+            "| option | default | meaning |",
+            "| --- | --- | --- |",
+            *option_rows(sub, set()),
+            "",
+        ]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
@@ -153,10 +182,13 @@ def main() -> int:
         return 0
     current = OUT.read_text() if OUT.exists() else ""
     if current != text:
-        diff = list(difflib.unified_diff(current.splitlines(), text.splitlines(), "docs/configuration.md",
-                                         "generated", lineterm="", n=0))
-        print("docs/configuration.md is stale (the settings in the code changed): run `make docs` and commit it",  # noqa: T201
-              *diff[:40], "..." if len(diff) > 40 else "", sep="\n", file=sys.stderr)
+        diff = list(
+            difflib.unified_diff(
+                current.splitlines(), text.splitlines(), "docs/configuration.md", "generated", lineterm="", n=0
+            )
+        )
+        message = "docs/configuration.md is stale (the settings in the code changed): run `make docs` and commit it"
+        sys.stderr.write("\n".join([message, *diff[:40], *(["..."] if len(diff) > 40 else [])]) + "\n")
         return 1
     return 0
 

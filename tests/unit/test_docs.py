@@ -21,8 +21,13 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 GENERATOR = ROOT / "scripts" / "gen_config_docs.py"
 # Every page a reader reaches from the README, and the READMEs beside the code.
-PAGES = [README, *sorted(DOCS.glob("*.md")), ROOT / "benchmarks" / "README.md",
-         ROOT / "helm" / "tokenmesh" / "README.md", ROOT / "gateway" / "README.md"]
+PAGES = [
+    README,
+    *sorted(DOCS.glob("*.md")),
+    ROOT / "benchmarks" / "README.md",
+    ROOT / "helm" / "tokenmesh" / "README.md",
+    ROOT / "gateway" / "README.md",
+]
 SKIP_DIRS = {".git", ".venv", "build", "node_modules", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache"}
 
 
@@ -62,13 +67,15 @@ def test_every_setting_has_help_and_a_row_in_the_configuration_reference(gen: Mo
 
 def test_the_configuration_reference_is_what_the_generator_writes() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMESH_")}
-    done = subprocess.run([sys.executable, str(GENERATOR), "--check"], capture_output=True, text=True, env=env,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, str(GENERATOR), "--check"], capture_output=True, text=True, env=env, check=False
+    )
     assert done.returncode == 0, done.stderr
 
 
 def test_the_check_fails_naming_the_file_and_the_fix_when_the_reference_is_stale(
-        gen: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    gen: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "configuration.md"
     monkeypatch.setattr(gen, "OUT", out)
     out.write_text(gen.render().replace("`TOKENMESH_ROUTER_PORT`", "`TOKENMESH_ROUTER_PORT_OLD`"))
@@ -83,7 +90,8 @@ def test_the_check_fails_naming_the_file_and_the_fix_when_the_reference_is_stale
 
 
 def test_the_generated_reference_does_not_depend_on_the_environment(
-        gen: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     plain = gen.render()
     monkeypatch.setenv("TOKENMESH_ROUTER_PORT", "6000")
     monkeypatch.setenv("TOKENMESH_ADDR", "10.0.0.1:1")
