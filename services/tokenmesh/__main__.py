@@ -15,8 +15,8 @@ GRPC_EXPERIMENTS = "-event_engine_client"
 grpc.aio delivers each message from an EventEngine thread to the completion
 queue, then from its poller thread to the event loop: two thread hand-offs
 per message. Without ``event_engine_client`` the poller thread reads the
-socket itself. Measured on 2 cores (README, "gRPC settings"): the gateway
-spends 29 instead of 37 us CPU per token at 5k tokens/s
+socket itself. Measured on 2 cores (benchmarks/README.md, "gRPC settings"):
+the gateway spends 29 instead of 37 us CPU per token at 5k tokens/s
 (benchmarks/gateway.py), the router 14.0 instead of 17.2 and a bare
 grpc.aio relay 15.8 instead of 21.3 at 24k tokens/s
 (benchmarks/router_cost.py; ``GRPC_EXPERIMENTS=`` for gRPC's defaults).

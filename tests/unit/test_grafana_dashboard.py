@@ -1,7 +1,7 @@
 """The Grafana dashboard the chart ships (helm/tokenmesh/files/grafana-dashboard.json).
 
 It parses, its data source is a variable, every panel's PromQL names only the
-metrics README "## Metrics" lists (with labels they carry), and every
+metrics docs/observability.md "## Metrics" lists (with labels they carry), and every
 expression is valid PromQL for Prometheus itself: promtool has no checker of a
 single expression, so each one is loaded as a recording rule and checked with
 ``promtool check rules``. The chart's ConfigMap of it: tests/unit/test_chart.py.
@@ -22,7 +22,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "helm" / "tokenmesh" / "files" / "grafana-dashboard.json"
-README = ROOT / "README.md"
+METRICS_DOC = ROOT / "docs" / "observability.md"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 # Grafana's interval variables, as Prometheus would see them after Grafana's substitution.
 GRAFANA_INTERVALS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
@@ -48,8 +48,8 @@ REQUIRED = {
 
 @functools.cache
 def readme_metrics() -> dict[str, tuple[str, frozenset[str]]]:
-    """README "## Metrics" table: metric name -> (type, labels)."""
-    section = README.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    """docs/observability.md "## Metrics" table: metric name -> (type, labels)."""
+    section = METRICS_DOC.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     found: dict[str, tuple[str, frozenset[str]]] = {}
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -58,7 +58,7 @@ def readme_metrics() -> dict[str, tuple[str, frozenset[str]]]:
         labels = frozenset(label.strip() for label in cells[2].split(",") if label.strip())
         for name in re.findall(r"`([a-z_:][a-z0-9_:]*)`", cells[0]):
             found[name] = (cells[1], labels)
-    assert len(found) > 30, f"the README's metrics table did not parse: {sorted(found)}"
+    assert len(found) > 30, f"the metrics table of docs/observability.md did not parse: {sorted(found)}"
     return found
 
 
@@ -80,7 +80,7 @@ def target_id(panel: dict[str, Any], target: dict[str, Any]) -> str:
 
 
 def series_metric(name: str) -> str:
-    """The README name of a series: a histogram's _bucket/_sum/_count are its own."""
+    """The documented name of a series: a histogram's _bucket/_sum/_count are its own."""
     known = readme_metrics()
     for suffix in HISTOGRAM_SERIES:
         base = name.removesuffix(suffix)
@@ -155,7 +155,7 @@ def test_every_expression_names_only_readme_metrics_with_their_labels() -> None:
         assert names, f"{where}: no metric in {target['expr']}"
         metrics = [series_metric(name) for name in names]
         unknown = [name for name, metric in zip(names, metrics, strict=True) if metric not in known]
-        assert not unknown, f"{where}: not in README \"## Metrics\": {unknown}"
+        assert not unknown, f"{where}: not in docs/observability.md \"## Metrics\": {unknown}"
         labels = {label for metric in metrics for label in known[metric][1]}
         labels |= {"le"} if any(name.endswith("_bucket") for name in names) else set()
         assert matched | grouped <= labels, f"{where}: labels {sorted((matched | grouped) - labels)} not on {metrics}"

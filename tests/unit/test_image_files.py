@@ -1,4 +1,4 @@
-"""The image's Dockerfile and build script pass their linters (the build itself: `make image`, README)."""
+"""The image's Dockerfile and build script pass their linters (the build itself: `make image`, docs/image.md)."""
 
 from __future__ import annotations
 
