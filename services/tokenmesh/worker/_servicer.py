@@ -12,7 +12,7 @@ from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
 from tokenmesh import logs
-from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable, label
 from tokenmesh.tracing import from_mapping, inject
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.validation import check_max_tokens, check_request, require_request_id
@@ -31,7 +31,7 @@ def _trace_event(span: trace.Span, event: worker_pb2.WorkerEvent) -> None:
         if event.chunk.HasField("engine_ttft_ms"):
             span.add_event("gen_ai.first_token", {"tokenmesh.engine_ttft_ms": event.chunk.engine_ttft_ms})
     elif kind == "end":
-        reason = inference_pb2.FinishReason.Name(event.end.finish_reason).removeprefix("FINISH_REASON_").lower()
+        reason = label(event.end.finish_reason, inference_pb2.FinishReason)
         span.set_attribute("gen_ai.response.finish_reasons", [reason])
         span.set_attribute("gen_ai.usage.input_tokens", event.end.usage.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", event.end.usage.completion_tokens)
