@@ -21,6 +21,7 @@ from tokenmesh.errors import (
     FieldViolation,
     InvalidArgument,
     NotFound,
+    OutOfRange,
     ResourceExhausted,
     Unavailable,
     from_rpc_error,
@@ -118,6 +119,16 @@ async def test_a_queue_wait_that_runs_out_carries_queue_timeout_and_a_retry_dela
         finally:
             for call in calls:
                 call.cancel()
+
+
+async def test_a_worker_s_facts_reach_the_caller_through_the_router(mesh: InProcessMesh) -> None:
+    request = inference_pb2.GenerateRequest(prompt="hi", max_tokens=3, request_id="ended-1")
+    chunks = [c async for c in mesh.inference.Generate(request)]
+    exc = await refused(mesh.inference.Resume(inference_pb2.ResumeRequest(request_id="ended-1",
+                                                                          after_seq=chunks[-1].seq)))
+    error = from_rpc_error(exc)
+    assert type(error) is OutOfRange and "nothing comes after it" in error.message
+    assert (error.reason, error.metadata, error.answered) == ("GENERATION_ENDED", {"request_id": "ended-1"}, True)
 
 
 async def test_details_go_out_mid_stream_too() -> None:
