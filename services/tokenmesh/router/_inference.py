@@ -137,7 +137,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             model = validate(request, self._pool, self._config.max_prompt_bytes)
             request_id = request.request_id or uuid.uuid4().hex
             if request_id in self.live:
-                raise AlreadyExists(f"request_id {request_id!r} is live already; use a new id, or Resume it")
+                raise AlreadyExists(f"request_id {request_id!r} is live already; use a new id, or Resume it",
+                                    reason="REQUEST_ID_LIVE", field="request_id")
         except MeshError as error:
             self.metrics.refused(label(error.grpc_code), request.labels.get("tenant", ""))
             raise
@@ -262,7 +263,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
-            raise Unavailable("this router is draining (shutting down); send the call to another router")
+            raise Unavailable("this router is draining (shutting down); send the call to another router",
+                              reason="ROUTER_DRAINING")
 
     def _begin(self, request_id: str, *, resumed: bool = False) -> Live:
         """Count a stream of request_id as live on this router."""

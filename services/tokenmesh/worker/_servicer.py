@@ -147,7 +147,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         for spec in models:
             if spec.name == name:
                 return spec
-        raise NotFound(f"model {name!r} is not served here; served: {', '.join(m.name for m in models)}")
+        raise NotFound(f"model {name!r} is not served here; served: {', '.join(m.name for m in models)}",
+                       reason="MODEL_NOT_SERVED", metadata={"model": name})
 
     def _tokens_now(self) -> int:
         """Tokens generated so far, running generations included."""
@@ -165,7 +166,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if first is None or first.WhichOneof("command") != "start":
             raise InvalidArgument("the first WorkerCommand must be `start` with the GenerateRequest")
         if not self.serving:
-            raise Unavailable("worker is not serving (starting, draining, or its Triton is down)")
+            raise Unavailable("worker is not serving (starting, draining, or its Triton is down)",
+                              reason="WORKER_NOT_SERVING")
         req = first.start
         if not req.request_id:
             raise InvalidArgument("start.request_id is required (the router assigns one)")
@@ -173,7 +175,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         check_request(req)
         if self.in_flight >= self.limits.admission_limit():
             lowered = " (lowered after a device out-of-memory)" if self.limits.lowered is not None else ""
-            raise ResourceExhausted(f"worker is at its limit of {self.limits.admission_limit()} generations{lowered}")
+            raise ResourceExhausted(f"worker is at its limit of {self.limits.admission_limit()} generations{lowered}",
+                                    reason="WORKER_AT_LIMIT")
         spec = self._model(req.model)
         if not req.HasField("max_tokens"):
             raise InvalidArgument("start.max_tokens is required (the router sets the default)")
