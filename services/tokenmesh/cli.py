@@ -229,7 +229,7 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     except MeshStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        if str(exc).startswith("gateway"):  # its own message names the gateway's flag, not up's
+        if "gateway" in exc.services:  # its own message names the gateway's flag, not up's
             print(f"tokenmesh up: the gateway could not start on port {args.gateway_port}: choose another with "
                   "--gateway-port, or --gateway-port 0 for none", file=sys.stderr)
         return 1
