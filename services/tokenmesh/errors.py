@@ -52,6 +52,15 @@ def label(value: int | enum.Enum, enum_type: EnumTypeWrapper | None = None, pref
     return name.removeprefix(head).lower()
 
 
+MAX_DESCRIPTION = 256
+"""Longest field-violation description taken from an error's message."""
+
+MAX_MESSAGE = 2048
+"""Longest message a status carries. It travels twice (grpc-message, and Status.message in the details, base64):
+a longer one (a backend's error text) is cut, so the trailers stay under gRPC's metadata limit (8 KiB by default),
+past which the caller would get RESOURCE_EXHAUSTED "received metadata size exceeds" instead of the error."""
+
+
 @dataclass(frozen=True)
 class FieldViolation:
     """A request field at fault (``google.rpc.BadRequest.FieldViolation``)."""
@@ -94,8 +103,17 @@ class MeshError(Exception):
         self.reason = reason or self.grpc_code.name
         self.domain = domain
         self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
-        self.field_violations = (*((FieldViolation(field, message),) if field else ()), *field_violations)
+        # The description repeats the message, which travels twice already (grpc-message and Status.message):
+        # bounded, so a long message cannot push the trailers past gRPC's metadata limit (8 KiB by default).
+        described = message if len(message) <= MAX_DESCRIPTION else message[:MAX_DESCRIPTION - 1] + "…"
+        self.field_violations = (*((FieldViolation(field, described),) if field else ()), *field_violations)
         self.retry_delay = retry_delay
+
+    @property
+    def wire_message(self) -> str:
+        """The message as the status carries it (cut at MAX_MESSAGE)."""
+        message = self.message
+        return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 1] + "…"
 
     @property
     def answered(self) -> bool:
@@ -114,7 +132,7 @@ class MeshError(Exception):
             delay = duration_pb2.Duration()
             delay.FromNanoseconds(round(max(0.0, self.retry_delay) * 1e9))
             details.append(error_details_pb2.RetryInfo(retry_delay=delay))
-        status = status_pb2.Status(code=self.grpc_code.value[0], message=self.message)
+        status = status_pb2.Status(code=self.grpc_code.value[0], message=self.wire_message)
         for detail in details:
             status.details.add().Pack(detail)
         return status
@@ -419,7 +437,7 @@ async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: MeshError) -> None:
     # The details' ErrorInfo (domain tokenmesh) is also what tells a caller this status was answered by the
     # mesh, where a connection that broke may end with the same code: it resumes only the latter.
-    await context.abort(error.grpc_code, error.message, trailing_metadata=error.trailers())
+    await context.abort(error.grpc_code, error.wire_message, trailing_metadata=error.trailers())
 
 
 Gate = Callable[[grpc.aio.ServicerContext[Any, Any]], None]

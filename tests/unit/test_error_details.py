@@ -17,6 +17,7 @@ from grpc_status import rpc_status
 
 from tokenmesh.errors import (
     DOMAIN,
+    MAX_MESSAGE,
     ErrorInterceptor,
     FieldViolation,
     InvalidArgument,
@@ -155,6 +156,28 @@ async def test_details_go_out_mid_stream_too() -> None:
     assert type(error) is Unavailable and error.message == "the worker went away"
     assert (error.reason, error.metadata, error.retry_delay, error.answered) == ("WORKER_LOST", {"worker": "w:1"},
                                                                                 0.5, True)
+
+
+async def test_a_long_message_is_cut_so_the_error_and_its_details_still_arrive() -> None:
+    """Message and details together must stay under gRPC's 8 KiB metadata limit (else: RESOURCE_EXHAUSTED)."""
+
+    class Failing(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+        async def Check(self, request, context):  # noqa: N802
+            raise InvalidArgument("x" * 10_000, field="prompt")
+
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    health_pb2_grpc.add_HealthServicer_to_server(Failing(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    finally:
+        await server.stop(0)
+    error = from_rpc_error(info.value)
+    assert type(error) is InvalidArgument and error.answered and error.message == "x" * (MAX_MESSAGE - 1) + "…"
+    assert error.field_violations[0].field == "prompt"
 
 
 def test_from_rpc_error_round_trips_the_facts_and_ignores_details_that_contradict_the_status() -> None:

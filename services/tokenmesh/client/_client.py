@@ -4,8 +4,9 @@ A generation is one iterator of chunks whatever happens to the routers under
 it. Before the first chunk, transient failures (``UNAVAILABLE``: a router
 down, draining or unreachable; ``RESOURCE_EXHAUSTED`` with the router's
 retry hint) are retried on the next router under the mesh's one retry policy
-(:mod:`tokenmesh.retry`: full jitter, at least the hint, one deadline). Once chunks flow, a stream that breaks (the
-router killed, the connection cut) is continued on another router with
+(:mod:`tokenmesh.retry`: full jitter, at least the hint, one deadline). Once
+chunks flow, a stream that breaks (the router killed, the connection cut) is
+continued on another router with
 ``Resume(request_id, after_seq=<last seq seen>)``: the worker kept the
 generation running for its resume grace, and the caller sees every ``seq``
 exactly once. For that every generation gets a request id (a fresh one when
