@@ -1,21 +1,22 @@
 """Errors as the OpenAI API sends them: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
 
 The status of a mesh error comes from the one error table
-(:attr:`tokenmesh.errors.MeshError.http_status`); a retry hint the router
-sent (trailer ``retry-after-ms``) becomes the ``Retry-After`` (seconds) and
-``retry-after-ms`` headers, which the ``openai`` SDK honours when it retries.
+(:attr:`tokenmesh.errors.MeshError.http_status`), the rest from the facts of
+its status details (:func:`tokenmesh.errors.from_rpc_error`): ``param`` is
+the ``BadRequest`` field violation, ``code`` the ``ErrorInfo`` reason where
+OpenAI has a word for it (else the status code's name), and a retry hint
+(``RetryInfo``) becomes the ``Retry-After`` (seconds) and ``retry-after-ms``
+headers, which the ``openai`` SDK honours when it retries.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import orjson
 
-from tokenmesh.errors import MeshError, NotFound, ResourceExhausted, Unavailable
-from tokenmesh.retry import RETRY_AFTER
+from tokenmesh.errors import MeshError, ResourceExhausted, Unavailable, label
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 429: "rate_limit_error"}
@@ -24,8 +25,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 DEFAULT_RETRY_AFTER_MS = 1000
 """Retry hint of a 503 the router gave none for (no live worker, a draining gateway)."""
 
-_PARAM = re.compile(r"(model|prompt|messages|max_tokens|temperature|top_p|seed|stop|request_id)\b")
-"""Request fields a router's message may start with: the error's ``param``."""
+_CODES = {"UNKNOWN_MODEL": "model_not_found"}
+"""OpenAI's ``code`` for the ErrorInfo reasons it has one for; any other error's code is its status code's name."""
 
 
 class HttpError(Exception):
@@ -82,18 +83,10 @@ def invalid(message: str, param: str | None = None) -> HttpError:
 
 
 def from_mesh(error: MeshError) -> HttpError:
-    """The HTTP error for a mesh error: status from the error table, hint from its trailers."""
-    name = error.grpc_code.name.lower()
-    code = "model_not_found" if isinstance(error, NotFound) and error.message.startswith("unknown model") else name
-    match = _PARAM.match(error.message)
-    hint: int | None = None
-    for key, value in error.trailers:
-        if key == RETRY_AFTER:
-            try:
-                hint = max(0, int(float(value)))
-            except ValueError:
-                hint = None
+    """The HTTP error for a mesh error: status from the error table, the rest from its details."""
+    code = _CODES.get(error.reason) or label(error.grpc_code)
+    param = error.field_violations[0].field if error.field_violations else None
+    hint = None if error.retry_delay is None else max(0, round(error.retry_delay * 1000))
     if hint is None and isinstance(error, Unavailable | ResourceExhausted):
         hint = DEFAULT_RETRY_AFTER_MS
-    param = "model" if code == "model_not_found" else (match.group(1) if match else None)
     return HttpError(error.http_status, error.message, param=param, code=code, retry_after_ms=hint)

@@ -18,7 +18,7 @@ import uvloop
 
 from tokenmesh.bench.command import BenchError
 from tokenmesh.config import ConfigError, add_arguments, from_namespace
-from tokenmesh.errors import MeshError, from_rpc_error
+from tokenmesh.errors import MeshError, from_rpc_error, label
 from tokenmesh.logs import FORMATS as LOG_FORMATS
 from tokenmesh.logs import configure as configure_logs
 
@@ -229,7 +229,7 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     except MeshStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        if str(exc).startswith("gateway"):  # its own message names the gateway's flag, not up's
+        if "gateway" in exc.services:  # its own message names the gateway's flag, not up's
             print(f"tokenmesh up: the gateway could not start on port {args.gateway_port}: choose another with "
                   "--gateway-port, or --gateway-port 0 for none", file=sys.stderr)
         return 1
@@ -309,7 +309,7 @@ async def _status(args: argparse.Namespace) -> int:
     print(f"weight table version {table.version or 'none (even split over healthy workers)'}, arrived {arrived}")
     print(f"{'ADDRESS':22} {'WEIGHT':>6} {'STATE':14} {'IN_FLIGHT':>9} {'SERVED':>7}  {'FOUND BY':24} REASON")
     for w in table.workers:
-        state = router_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_")
+        state = label(w.state, router_pb2.WorkerState).upper()
         print(f"{w.address:22} {w.weight:6.2f} {state:14} {w.in_flight:9d} {w.served_total:7d}  {w.found_by:24} "
               f"{w.reason}")
     return 0

@@ -9,27 +9,139 @@ class is decided once, from the error itself, by :func:`classify_backend_message
 
 from __future__ import annotations
 
+import enum
 import inspect
+import logging
+import math
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, ClassVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import grpc
+from google.protobuf import duration_pb2
+from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from tokenmesh.v1 import worker_pb2
 
+log = logging.getLogger(__name__)
+
+DOMAIN = "tokenmesh"
+"""``ErrorInfo.domain`` of every error a tokenmesh service answers itself."""
+
+RETRY_AFTER = "retry-after-ms"
+"""The retry hint as a plain trailer, still sent beside ``RetryInfo`` for callers that predate the details
+(grpcurl scripts, clients of older releases); nothing of ours reads it."""
+
+
+def label(value: int | enum.Enum, enum_type: EnumTypeWrapper | None = None, prefix: str = "") -> str:
+    """The lower-case label of an enum value: ``label(FINISH_REASON_STOP, FinishReason)`` is ``"stop"``.
+
+    Protobuf enums (give their type) lose the type's prefix, which is the
+    enum's name in UPPER_SNAKE unless ``prefix`` says otherwise; Python enums
+    (``grpc.StatusCode.NOT_FOUND``) are their name.
+    """
+    if isinstance(value, enum.Enum):
+        return value.name.lower()
+    assert enum_type is not None, "a protobuf enum value needs its enum type"
+    name = enum_type.Name(value)
+    head = prefix or re.sub(r"(?<!^)(?=[A-Z])", "_", enum_type.DESCRIPTOR.name).upper() + "_"
+    return name.removeprefix(head).lower()
+
+
+MAX_DESCRIPTION = 256
+"""Longest field-violation description taken from an error's message."""
+
+MAX_MESSAGE = 2048
+"""Longest message a status carries. It travels twice (grpc-message, and Status.message in the details, base64):
+a longer one (a backend's error text) is cut, so the trailers stay under gRPC's metadata limit (8 KiB by default),
+past which the caller would get RESOURCE_EXHAUSTED "received metadata size exceeds" instead of the error."""
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    """A request field at fault (``google.rpc.BadRequest.FieldViolation``)."""
+
+    field: str
+    """The field's path in the request, e.g. ``max_tokens`` or ``messages[0].role``."""
+    description: str
+
 
 class MeshError(Exception):
-    """Base of every error the mesh reports to a caller."""
+    """Base of every error the mesh reports to a caller, with the facts its status details carry.
+
+    Args:
+        message: what went wrong and what to change (the status message, unchanged on the wire).
+        reason: the kind of error in UPPER_SNAKE (``ErrorInfo.reason``); default: the status code's name.
+        metadata: facts for programs (``ErrorInfo.metadata``: model, worker...).
+        field: the request field at fault, as a ``BadRequest`` field violation described by the message.
+        field_violations: several, or with descriptions of their own.
+        retry_delay: seconds to wait before the same call may succeed (``RetryInfo``).
+        domain: ``ErrorInfo.domain``; "" for a status that came without one (not answered by the mesh).
+
+    """
 
     grpc_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
     http_status: ClassVar[int] = 500
 
-    def __init__(self, message: str, *, trailers: tuple[tuple[str, str], ...] = ()) -> None:
+    message: str
+    reason: str
+    domain: str
+    metadata: dict[str, str]
+    field_violations: tuple[FieldViolation, ...]
+    retry_delay: float | None
+
+    def __init__(
+        self, message: str, *, reason: str = "", metadata: Mapping[str, str] | None = None, field: str = "",
+        field_violations: Sequence[FieldViolation] = (), retry_delay: float | None = None, domain: str = DOMAIN,
+    ) -> None:
         super().__init__(message)
         self.message = message
-        self.trailers = trailers
+        self.reason = reason or self.grpc_code.name
+        self.domain = domain
+        self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
+        # The description repeats the message, which travels twice already (grpc-message and Status.message):
+        # bounded, so a long message cannot push the trailers past gRPC's metadata limit (8 KiB by default).
+        described = message if len(message) <= MAX_DESCRIPTION else message[:MAX_DESCRIPTION - 1] + "…"
+        self.field_violations = (*((FieldViolation(field, described),) if field else ()), *field_violations)
+        self.retry_delay = retry_delay
+
+    @property
+    def wire_message(self) -> str:
+        """The message as the status carries it (cut at MAX_MESSAGE)."""
+        message = self.message
+        return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 1] + "…"
+
+    @property
+    def answered(self) -> bool:
+        """Whether a tokenmesh service answered this status itself (not a connection that broke)."""
+        return self.domain == DOMAIN
+
+    def status(self) -> status_pb2.Status:
+        """The error as a ``google.rpc.Status`` with its details (ErrorInfo, then BadRequest, RetryInfo)."""
+        details = [error_details_pb2.ErrorInfo(reason=self.reason, domain=self.domain or DOMAIN,
+                                               metadata=self.metadata)]
+        if self.field_violations:
+            details.append(error_details_pb2.BadRequest(field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                for v in self.field_violations]))
+        if self.retry_delay is not None:
+            delay = duration_pb2.Duration()
+            delay.FromNanoseconds(round(max(0.0, self.retry_delay) * 1e9))
+            details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+        status = status_pb2.Status(code=self.grpc_code.value[0], message=self.wire_message)
+        for detail in details:
+            status.details.add().Pack(detail)
+        return status
+
+    def trailers(self) -> tuple[tuple[str, str | bytes], ...]:
+        """The trailing metadata of the status: its details, and the legacy retry hint."""
+        grpc_status = rpc_status.to_status(self.status())
+        legacy = () if self.retry_delay is None else ((RETRY_AFTER, str(math.ceil(self.retry_delay * 1000))),)
+        return (*grpc_status.trailing_metadata, *legacy)
 
 
 class InvalidArgument(MeshError):
@@ -61,7 +173,7 @@ class OutOfRange(MeshError):
 
 
 class ResourceExhausted(MeshError):
-    """Admission queue full or timed out; retry later (hint in trailers)."""
+    """Admission queue full or timed out; retry later (hint in ``retry_delay``)."""
 
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 429
@@ -122,21 +234,54 @@ ERRORS: tuple[type[MeshError], ...] = (
 _BY_CODE: dict[grpc.StatusCode, type[MeshError]] = {cls.grpc_code: cls for cls in ERRORS}
 
 
-def from_rpc_error(error: grpc.aio.AioRpcError) -> MeshError:
-    """The mesh's error for a gRPC status a peer sent: the inverse of the table above.
+class _Call(Protocol):
+    def code(self) -> grpc.StatusCode: ...
+    def details(self) -> str | None: ...
+    def trailing_metadata(self) -> Any: ...
 
-    The message is the peer's; trailers (e.g. ``retry-after-ms``) are kept.
-    Codes with no class of their own (UNKNOWN, ABORTED, DATA_LOSS...) become
-    :class:`Internal` with the code's name in the message. Raise it ``from``
-    the gRPC error so the original stays in the traceback.
+
+def from_rpc_error(error: grpc.aio.AioRpcError | _Call) -> MeshError:
+    """The mesh's error for a gRPC status a peer sent: the inverse of the table above, with its details.
+
+    The message is the peer's; ``reason``, ``domain`` and ``metadata`` come
+    from ``ErrorInfo``, ``field_violations`` from ``BadRequest``,
+    ``retry_delay`` from ``RetryInfo`` (decoded as google-api-core does; a
+    status without details has ``domain`` ""). Codes with no class of their
+    own (UNKNOWN, ABORTED, DATA_LOSS...) become :class:`Internal` with the
+    code's name in the message. Raise it ``from`` the gRPC error so the
+    original stays in the traceback.
     """
     code = error.code()
     cls = _BY_CODE.get(code)
-    details = error.details() or code.name
-    trailers = tuple((str(k), str(v)) for k, v in (error.trailing_metadata() or ()) if isinstance(v, str))
+    message = error.details() or code.name
+    facts = _details(error)
     if cls is None:
-        return Internal(f"{code.name}: {details}", trailers=trailers)
-    return cls(details, trailers=trailers)
+        return Internal(f"{code.name}: {message}", **facts)
+    return cls(message, **facts)
+
+
+def _details(error: grpc.aio.AioRpcError | _Call) -> dict[str, Any]:
+    """The keyword arguments of a MeshError from a status's ``google.rpc.Status`` details."""
+    facts: dict[str, Any] = {"domain": ""}
+    try:
+        status = rpc_status.from_call(error)
+    except (ValueError, DecodeError) as exc:  # details that contradict the status, or do not parse
+        log.debug("status details of %s ignored: %s", error.code().name, exc)
+        return facts
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            facts.update(reason=info.reason, domain=info.domain, metadata=dict(info.metadata))
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            facts["field_violations"] = tuple(FieldViolation(v.field, v.description) for v in bad.field_violations)
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            facts["retry_delay"] = retry.retry_delay.ToNanoseconds() / 1e9
+    return facts
 
 
 ERROR_CLASS_TO_EXCEPTION: dict[worker_pb2.ErrorClass, type[MeshError]] = {
@@ -182,9 +327,11 @@ def classify_backend_message(message: str) -> worker_pb2.ErrorClass:
     return worker_pb2.ERROR_CLASS_BACKEND
 
 
-def from_generation_error(error: worker_pb2.GenerationError) -> MeshError:
-    """Turn a worker's typed error into the caller-facing exception."""
-    return ERROR_CLASS_TO_EXCEPTION.get(error.error_class, Internal)(error.message)
+def from_generation_error(error: worker_pb2.GenerationError, worker: str = "") -> MeshError:
+    """Turn a worker's typed error into the caller-facing exception (reason: its error class, e.g. OUT_OF_MEMORY)."""
+    reason = label(error.error_class, worker_pb2.ErrorClass).upper()
+    return ERROR_CLASS_TO_EXCEPTION.get(error.error_class, Internal)(
+        error.message, reason=reason, metadata={"worker": worker} if worker else None)
 
 
 Authorize = Callable[[str, grpc.aio.ServicerContext[Any, Any]], None]
@@ -278,7 +425,7 @@ def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], A
 
 def _check(request: Any) -> Any:
     if type(request) is _Undecodable:
-        raise InvalidArgument(request.message)
+        raise InvalidArgument(request.message, reason="UNDECODABLE_REQUEST")
     return request
 
 
@@ -287,14 +434,10 @@ async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield _check(request)
 
 
-ANSWERED = "tokenmesh-error"
-"""Trailer on every status a tokenmesh service answers itself: a caller can tell it from a connection that broke
-(both may be UNAVAILABLE), and resumes only the latter."""
-
-
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: MeshError) -> None:
-    context.set_trailing_metadata(((ANSWERED, type(error).__name__), *error.trailers))
-    await context.abort(error.grpc_code, error.message)
+    # The details' ErrorInfo (domain tokenmesh) is also what tells a caller this status was answered by the
+    # mesh, where a connection that broke may end with the same code: it resumes only the latter.
+    await context.abort(error.grpc_code, error.wire_message, trailing_metadata=error.trailers())
 
 
 Gate = Callable[[grpc.aio.ServicerContext[Any, Any]], None]

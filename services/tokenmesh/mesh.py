@@ -108,7 +108,13 @@ class Child:
 
 
 class MeshStartError(RuntimeError):
-    """A service of the mesh failed to start."""
+    """A service of the mesh failed to start; ``services`` names which (e.g. ``("gateway",)``)."""
+
+    services: tuple[str, ...]
+
+    def __init__(self, message: str, services: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.services = services
 
 
 class Mesh:
@@ -183,11 +189,13 @@ class Mesh:
                     pending.remove(child)
                 elif child.proc.poll() is not None:
                     raise MeshStartError(
-                        f"{child.name} exited with {child.proc.returncode} during start\n{child.log_tail()}"
+                        f"{child.name} exited with {child.proc.returncode} during start\n{child.log_tail()}",
+                        (child.name,),
                     )
             if pending and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
-                raise MeshStartError(f"{names} not ready after {self.config.start_timeout_s:.0f} s")
+                raise MeshStartError(f"{names} not ready after {self.config.start_timeout_s:.0f} s",
+                                     tuple(c.name for c in pending))
             time.sleep(0.1)
 
     def start(self) -> None:

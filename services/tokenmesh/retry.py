@@ -2,7 +2,7 @@
 
 Only transient failures are retried: ``UNAVAILABLE`` (a peer restarting, a
 connection refused or cut), ``RESOURCE_EXHAUSTED`` when the server put a
-``retry-after-ms`` hint in the trailers (then the wait is at least the hint),
+retry hint in its status details (``RetryInfo``; then the wait is at least the hint),
 and the errors our own code raises for a peer that did not answer in time or
 ended a stream that should stay open (:class:`TimeoutError`,
 :class:`ConnectionError`). Anything else (UNIMPLEMENTED: the address is some
@@ -12,10 +12,13 @@ loudly instead of spinning.
 
 The wait before attempt n is "full jitter": uniform in [0, min(max_s,
 initial_s * 2**n)], so peers that lost the same server do not come back in
-lockstep. Failures are counted per :class:`Reconnect`; a long-lived stream
-calls :meth:`Reconnect.connected` once it works, which starts the count (and
-the backoff) afresh. After ``warn_after`` consecutive failures a WARNING names
-what and where, and again each time the count doubles.
+lockstep, and never past the deadline. Failures are counted per
+:class:`Reconnect`; a long-lived stream calls :meth:`Reconnect.connected` once
+it works, which starts the count, the backoff and the deadline afresh. After
+``warn_after`` consecutive failures a WARNING names what and where, and again
+each time the count doubles. A loop that is not one callable (the client's
+stream, resumed on another router) takes the same policy step by step with
+:meth:`Reconnect.failed`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -35,9 +39,6 @@ from tokenmesh.errors import from_rpc_error
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-RETRY_AFTER = "retry-after-ms"
-"""Trailer in which a server says how long to wait before retrying (RESOURCE_EXHAUSTED)."""
 
 TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 """Status codes that say "the same call may succeed later" (RESOURCE_EXHAUSTED only with a hint)."""
@@ -58,27 +59,23 @@ async def write(call: grpc.aio.StreamStreamCall[Any, Any], message: Any) -> None
     try:
         await call.write(message)
     except asyncio.InvalidStateError:
-        code, details = await call.code(), await call.details()
-        raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details) from None
+        code, details, trailers = await call.code(), await call.details(), await call.trailing_metadata()
+        raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers or grpc.aio.Metadata(),
+                                   details=details) from None
 
 
 def retry_hint_s(exc: BaseException) -> float | None:
-    """The server's ``retry-after-ms`` hint of a RESOURCE_EXHAUSTED error, in seconds (None: no hint)."""
-    if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+    """The server's retry hint (its status's ``RetryInfo``) in seconds; None: no hint."""
+    if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() == grpc.StatusCode.OK:
         return None
-    for key, value in exc.trailing_metadata() or ():
-        if key == RETRY_AFTER:
-            try:
-                return max(0.0, float(value) / 1000)
-            except ValueError:
-                return None
-    return None
+    return from_rpc_error(exc).retry_delay
 
 
 def is_transient(exc: BaseException) -> bool:
     """Whether the same call may succeed if tried again later."""
     if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code() in TRANSIENT_CODES or retry_hint_s(exc) is not None
+        code = exc.code()
+        return code in TRANSIENT_CODES or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_hint_s(exc) is not None)
     return isinstance(exc, (TimeoutError, ConnectionError))
 
 
@@ -140,6 +137,8 @@ class Reconnect:
     last_error: str
     _log: logging.Logger
     _loud: bool
+    _since: float
+    """Where the deadline counts from: the first attempt, or the last :meth:`connected`."""
 
     def __init__(
         self, what: str, address: str, backoff: Backoff = RECONNECT, logger: logging.Logger = log, *, loud: bool = True
@@ -151,22 +150,39 @@ class Reconnect:
         self.last_error = ""
         self._log = logger
         self._loud = loud
+        self._since = time.monotonic()
 
     def connected(self) -> None:
-        """The attempt works (a stream is open and answering): count failures afresh."""
-        if self.failures >= self.backoff.warn_after:
-            self._log.info("%s to %s works again after %d failures", self.what, self.address, self.failures)
-        self.failures = 0
+        """The attempt works (a stream is open and answering): count failures, and the deadline, afresh."""
+        if self.failures:
+            if self.failures >= self.backoff.warn_after:
+                self._log.info("%s to %s works again after %d failures", self.what, self.address, self.failures)
+            self.failures = 0
+        self._since = time.monotonic()
+
+    def remaining_s(self) -> float | None:
+        """Time left before the deadline (None: no deadline)."""
+        b = self.backoff
+        return None if b.deadline_s is None else self._since + b.deadline_s - time.monotonic()
+
+    def wait_s(self, exc: BaseException | None) -> float:
+        """The wait before the next attempt: full jitter, at least the server's hint, never past the deadline."""
+        b = self.backoff
+        wait = random.uniform(0, min(b.max_s, b.initial_s * 2 ** min(max(self.failures, 1) - 1, 30)))  # noqa: S311
+        hint = retry_hint_s(exc) if exc is not None else None
+        if hint is not None:
+            wait = max(wait, hint)
+        remaining = self.remaining_s()
+        return wait if remaining is None else max(0.0, min(wait, remaining))
 
     def _wait(self, state: tenacity.RetryCallState) -> float:
-        b = self.backoff
-        wait = random.uniform(0, min(b.max_s, b.initial_s * 2 ** min(self.failures - 1, 30)))  # noqa: S311
-        exc = state.outcome.exception() if state.outcome is not None else None
-        hint = retry_hint_s(exc) if exc is not None else None
-        return max(wait, min(hint, b.max_s)) if hint is not None else wait
+        return self.wait_s(state.outcome.exception() if state.outcome is not None else None)
 
-    def _failed(self, state: tenacity.RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome is not None else None
+    def _stop(self, state: tenacity.RetryCallState) -> bool:
+        remaining = self.remaining_s()
+        return remaining is not None and remaining <= 0
+
+    def _count(self, exc: BaseException | None) -> None:
         self.failures += 1
         self.last_error = describe(exc) if exc is not None else "?"
         n, warn = self.failures, self.backoff.warn_after
@@ -175,6 +191,22 @@ class Reconnect:
                               self.what, self.address, n, self.last_error)
         else:
             self._log.debug("%s to %s failed (%s); retrying", self.what, self.address, self.last_error)
+
+    def _failed(self, state: tenacity.RetryCallState) -> None:
+        self._count(state.outcome.exception() if state.outcome is not None else None)
+
+    async def failed(self, exc: BaseException, retry_on: Callable[[BaseException], bool] = is_transient) -> None:
+        """One step of the policy for a loop of its own: count exc and wait, or raise it.
+
+        Raises ``exc`` when it is permanent or the deadline has passed (quietly:
+        the loop's owner decides what to tell); otherwise waits as
+        :meth:`run` would before its next attempt.
+        """
+        remaining = self.remaining_s()
+        if not retry_on(exc) or (remaining is not None and remaining <= 0):
+            raise exc
+        self._count(exc)
+        await asyncio.sleep(self.wait_s(exc))
 
     async def run(
         self, attempt: Callable[[], Awaitable[T]], retry_on: Callable[[BaseException], bool] = is_transient
@@ -187,10 +219,11 @@ class Reconnect:
         logged at ERROR with the address, then raised.
         """
         b = self.backoff
+        self._since = time.monotonic()
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception(retry_on),
             wait=self._wait,
-            stop=tenacity.stop_after_delay(b.deadline_s) if b.deadline_s is not None else tenacity.stop_never,
+            stop=self._stop,
             after=self._failed,
             reraise=True,
         )

@@ -82,7 +82,7 @@ async def test_every_mesh_error_survives_the_wire_and_comes_back_as_itself() -> 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from tokenmesh.errors import ERRORS, ErrorInterceptor, Internal, MeshError, from_rpc_error
+    from tokenmesh.errors import ERRORS, ErrorInterceptor, FieldViolation, Internal, MeshError, from_rpc_error
 
     raised: list[MeshError] = []
 
@@ -99,16 +99,21 @@ async def test_every_mesh_error_survives_the_wire_and_comes_back_as_itself() -> 
             stub = health_pb2_grpc.HealthStub(channel)
             assert len({cls.grpc_code for cls in ERRORS}) == len(ERRORS)  # one class per code
             for cls in ERRORS:
-                raised.append(cls(f"what went wrong with {cls.__name__}", trailers=(("retry-after-ms", "250"),)))
+                raised.append(cls(f"what went wrong with {cls.__name__}", reason="SOME_REASON", field="max_tokens",
+                                  metadata={"model": "m"}, retry_delay=0.25))
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
                 back = from_rpc_error(caught.value)
                 assert type(back) is cls
                 assert back.message == f"what went wrong with {cls.__name__}"
-                assert ("retry-after-ms", "250") in back.trailers
+                assert (back.reason, back.domain, back.metadata) == ("SOME_REASON", "tokenmesh", {"model": "m"})
+                assert back.field_violations == (FieldViolation("max_tokens", back.message),)
+                assert back.retry_delay == 0.25 and back.answered
+                assert dict(caught.value.trailing_metadata() or ())["retry-after-ms"] == "250"  # for older callers
                 assert back.http_status == cls.http_status
     finally:
         await server.stop(0)
     unknown = from_rpc_error(grpc.aio.AioRpcError(grpc.StatusCode.DATA_LOSS, grpc.aio.Metadata(),
                                                   grpc.aio.Metadata(), details="bits lost"))
     assert type(unknown) is Internal and unknown.message == "DATA_LOSS: bits lost"
+    assert unknown.domain == "" and not unknown.answered and unknown.reason == "INTERNAL"

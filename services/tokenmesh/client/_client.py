@@ -3,9 +3,10 @@
 A generation is one iterator of chunks whatever happens to the routers under
 it. Before the first chunk, transient failures (``UNAVAILABLE``: a router
 down, draining or unreachable; ``RESOURCE_EXHAUSTED`` with the router's
-``retry-after-ms`` hint) are retried on the next router, with full-jitter
-backoff, within one deadline. Once chunks flow, a stream that breaks (the
-router killed, the connection cut) is continued on another router with
+retry hint) are retried on the next router under the mesh's one retry policy
+(:mod:`tokenmesh.retry`: full jitter, at least the hint, one deadline). Once
+chunks flow, a stream that breaks (the router killed, the connection cut) is
+continued on another router with
 ``Resume(request_id, after_seq=<last seq seen>)``: the worker kept the
 generation running for its resume grace, and the caller sees every ``seq``
 exactly once. For that every generation gets a request id (a fresh one when
@@ -31,8 +32,8 @@ import grpc
 
 from tokenmesh.config import address_error
 from tokenmesh.discovery import join, literal_ip
-from tokenmesh.errors import ANSWERED, DeadlineExceeded, MeshError, Unavailable, from_rpc_error
-from tokenmesh.retry import retry_hint_s
+from tokenmesh.errors import DeadlineExceeded, MeshError, Unavailable, from_rpc_error
+from tokenmesh.retry import Backoff, Reconnect, StreamEnded, describe, is_transient
 from tokenmesh.server import CHANNEL_OPTIONS
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
@@ -183,15 +184,14 @@ class Client:
             stub = self._stubs[address] = inference_pb2_grpc.InferenceStub(channel)
         return stub
 
-    async def _wait(self, failures: int, exc: BaseException | None, deadline: float) -> None:
-        """Full-jitter backoff (at least the server's retry hint), never past the deadline."""
-        wait = random.uniform(0, min(2.0, self.initial_backoff_s * 2 ** min(failures - 1, 20)))  # noqa: S311
-        hint = retry_hint_s(exc) if exc is not None else None
-        if hint is not None:
-            wait = max(wait, hint)
+    def _policy(self, what: str, deadline_s: float) -> Reconnect:
+        """The mesh's retry policy (tokenmesh.retry) for one call: full jitter up to 2 s, one deadline."""
+        backoff = Backoff(initial_s=self.initial_backoff_s, max_s=2.0, deadline_s=deadline_s)
+        return Reconnect(what, ",".join(self._names), backoff, log, loud=False)
+
+    async def _rediscover(self, failures: int) -> None:
         if failures % max(len(self._addresses), 1) == 0:
             await self._resolve()  # every router failed once: the name's records may have changed
-        await asyncio.sleep(max(0.0, min(wait, deadline - time.monotonic())))
 
     # -- calls --------------------------------------------------------------
 
@@ -244,67 +244,78 @@ class Client:
         else:
             assert resume is not None
             request_id, last, resuming = resume.request_id, resume.after_seq, True
-        failures = resumes = 0
-        progress_at = time.monotonic()
+        policy = self._policy(f"generation {request_id}", self.retry_deadline_s)
+        resumes = 0
         address = ""
-        stay = False
-        finished = False
+        stay = finished = False
         try:
             while True:
                 if not stay:
                     address = await self._next_router(avoid=address)
                 stay = False
-                remaining = None if end is None else end - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise DeadlineExceeded(f"generation {request_id} did not finish within {timeout:g} s")
-                stub = self._stub(address)
-                if resuming:
-                    follow = inference_pb2.ResumeRequest(request_id=request_id, after_seq=last)
-                    call = stub.Resume(follow, timeout=remaining, metadata=tuple(metadata))
-                else:
-                    call = stub.Generate(request, timeout=remaining, metadata=tuple(metadata))
+                call = self._open(address, request_id, None if resuming else request, last, end, timeout, metadata)
                 broken: grpc.aio.AioRpcError | None = None
                 try:
                     async for chunk in call:
                         if chunk.seq <= last:
                             continue  # a replay overlapping what the caller has
                         last = chunk.seq
-                        failures, progress_at = 0, time.monotonic()
+                        policy.connected()
                         finished = bool(chunk.finish_reason)
                         yield chunk
                         if finished:
                             return
                 except grpc.aio.AioRpcError as exc:
-                    code = exc.code()
-                    if resuming and code == grpc.StatusCode.NOT_FOUND and request is not None and last == 0:
+                    if resuming and exc.code() == grpc.StatusCode.NOT_FOUND and request is not None and last == 0:
                         resuming, stay = False, True  # nothing was started: start it now, on this router (it answers)
                         continue
-                    started_maybe = code in BROKEN_CODES
-                    # Mid-stream, a status the router answered itself ends the generation (its worker failed for
-                    # good, no live worker): only a broken connection is resumed.
-                    if code == grpc.StatusCode.DEADLINE_EXCEEDED or (last and _answered(exc)) or not (
-                            started_maybe or _transient_before_start(exc)):
-                        raise from_rpc_error(exc) from exc
-                    broken = exc
-                    # A refusal (RESOURCE_EXHAUSTED with a hint) started nothing; anything else may have.
-                    resuming = resuming or started_maybe
+                    resuming, broken = _after_break(exc, resuming, last), exc
                 else:
                     resuming = True  # the stream ended without a final chunk
                 if last:
                     resumes += 1
-                if resumes > self.max_resumes or time.monotonic() - progress_at > self.retry_deadline_s:
-                    if broken is not None:
-                        raise from_rpc_error(broken) from broken
-                    raise Unavailable(f"generation {request_id}: router {address} ended the stream without a final "
-                                      "chunk, too often")
-                failures += 1
-                log.info("generation %s: router %s failed after seq %d (%s); %s on another router", request_id, address,
-                         last, _describe(broken) if broken else "stream ended early",
-                         "resuming" if resuming else "retrying")
-                await self._wait(failures, broken, progress_at + self.retry_deadline_s)
+                await self._again(policy, broken, resumes, request_id, address, last, resuming)
         finally:
             if cancel_unfinished and not finished:
                 self._cancel_later(request_id)
+
+    def _open(
+        self, address: str, request_id: str, request: inference_pb2.GenerateRequest | None, last: int,
+        end: float | None, timeout: float | None, metadata: Sequence[tuple[str, str]],
+    ) -> grpc.aio.UnaryStreamCall[Any, inference_pb2.GenerateChunk]:
+        """Generate (request given), else Resume after last, on address within what is left of the timeout."""
+        remaining = None if end is None else end - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceeded(f"generation {request_id} did not finish within {timeout:g} s")
+        stub = self._stub(address)
+        call: grpc.aio.UnaryStreamCall[Any, inference_pb2.GenerateChunk]
+        if request is None:
+            follow = inference_pb2.ResumeRequest(request_id=request_id, after_seq=last)
+            call = stub.Resume(follow, timeout=remaining, metadata=tuple(metadata))
+        else:
+            call = stub.Generate(request, timeout=remaining, metadata=tuple(metadata))
+        return call
+
+    async def _again(
+        self, policy: Reconnect, broken: grpc.aio.AioRpcError | None, resumes: int, request_id: str, address: str,
+        last: int, resuming: bool,
+    ) -> None:
+        """Wait before the next attempt under the policy; raise the mesh's error once it gives up."""
+        remaining = policy.remaining_s()
+        try:
+            failure = broken if broken is not None else StreamEnded(f"router {address} ended the stream early")
+            if resumes > self.max_resumes or (remaining is not None and remaining <= 0):
+                raise failure
+            log.info("generation %s: router %s failed after seq %d (%s); %s on another router", request_id, address,
+                     last, describe(broken) if broken else "stream ended early", "resuming" if resuming else "retrying")
+            # What may be tried again was decided by _after_break; the policy gives the wait and the deadline.
+            await policy.failed(failure, retry_on=lambda _: True)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        except StreamEnded:
+            raise Unavailable(f"generation {request_id}: router {address} ended the stream without a final "
+                              "chunk, too often") from None
+        await self._rediscover(policy.failures)
 
     def _cancel_later(self, request_id: str) -> None:
         """Stop a generation nobody reads any more (in the background: the caller is leaving)."""
@@ -331,18 +342,19 @@ class Client:
 
     async def _unary(self, method: str, request: Any, timeout: float) -> Any:
         """A unary call, tried on the next router while the failure is transient, within timeout."""
-        end = time.monotonic() + timeout
-        failures = 0
+        policy = self._policy(method, timeout)
         address = ""
         while True:
             address = await self._next_router(avoid=address)
             try:
-                return await getattr(self._stub(address), method)(request, timeout=max(0.001, end - time.monotonic()))
+                return await getattr(self._stub(address), method)(request,
+                                                                  timeout=max(0.001, policy.remaining_s() or 0.0))
             except grpc.aio.AioRpcError as exc:
-                failures += 1
-                if not _transient_before_start(exc) or time.monotonic() >= end:
+                try:
+                    await policy.failed(exc)
+                except grpc.aio.AioRpcError:
                     raise from_rpc_error(exc) from exc
-                await self._wait(failures, exc, end)
+                await self._rediscover(policy.failures)
 
 
 def _with_id(request: inference_pb2.GenerateRequest) -> inference_pb2.GenerateRequest:
@@ -352,17 +364,17 @@ def _with_id(request: inference_pb2.GenerateRequest) -> inference_pb2.GenerateRe
     return copy
 
 
-def _answered(exc: grpc.aio.AioRpcError) -> bool:
-    """The router ended the stream with a status of its own (the generation failed), not a broken connection."""
-    return any(key == ANSWERED for key, _ in (exc.trailing_metadata() or ()))
+def _after_break(exc: grpc.aio.AioRpcError, resuming: bool, last: int) -> bool:
+    """Whether the next attempt resumes after a stream broke with exc; raises the mesh's error if it ends here.
 
-
-def _transient_before_start(exc: grpc.aio.AioRpcError) -> bool:
-    """UNAVAILABLE, or RESOURCE_EXHAUSTED with a retry hint: another router (or later) may take it."""
-    return exc.code() == grpc.StatusCode.UNAVAILABLE or retry_hint_s(exc) is not None
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {(exc.details() or '').splitlines()[0] if exc.details() else ''}"
-    return str(exc)
+    Mid-stream, a status the router answered itself (its ErrorInfo) ends the
+    generation (its worker failed for good, no live worker): only a broken
+    connection is resumed. Before any chunk, a transient refusal
+    (RESOURCE_EXHAUSTED with a retry hint) started nothing; anything else may have.
+    """
+    code = exc.code()
+    started_maybe = code in BROKEN_CODES
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or not (started_maybe or is_transient(exc)) or (
+            last and from_rpc_error(exc).answered):
+        raise from_rpc_error(exc) from exc
+    return resuming or started_maybe

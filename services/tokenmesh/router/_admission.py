@@ -7,7 +7,7 @@ priority (LOW 1, NORMAL 2, HIGH 3; a stream moving off a failed worker 4)
 plus one level per ``aging_s`` waited, so LOW cannot starve. Among equals, the
 tenant (``labels["tenant"]``) with fewer generations running goes first, then
 the earliest. The queue is bounded in length and in wait; both answer
-RESOURCE_EXHAUSTED with a ``retry-after-ms`` hint in the trailers.
+RESOURCE_EXHAUSTED with a retry hint (``RetryInfo``; reason QUEUE_FULL or QUEUE_TIMEOUT).
 
 Slots are handed out when they can change hands: when one is released, and
 when the pool reports a change (health, a weight table, a limit, a
@@ -123,7 +123,8 @@ class Admission:
             hint = self._retry_hint_ms()
             raise ResourceExhausted(
                 f"admission queue is full ({len(self.waiting)} waiting); retry in about {hint} ms",
-                trailers=(("retry-after-ms", str(hint)),),
+                reason="QUEUE_FULL", metadata={"model": model, "waiting": str(len(self.waiting))},
+                retry_delay=hint / 1000,
             )
         waiter = Waiter(model, key, level, tenant, now, next(self._order))
         self.waiting.append(waiter)
@@ -140,7 +141,8 @@ class Admission:
                 raise ResourceExhausted(
                     f"no worker slot for {model!r} within {wait:g} s ({len(self.waiting)} waiting); "
                     f"retry in about {hint} ms",
-                    trailers=(("retry-after-ms", str(hint)),),
+                    reason="QUEUE_TIMEOUT", metadata={"model": model, "waited_s": f"{wait:g}"},
+                    retry_delay=hint / 1000,
                 )
             entry = waiter.granted.result()
         except (Cancelled, ResourceExhausted):

@@ -30,6 +30,7 @@ from tokenmesh.errors import (
     Unavailable,
     from_generation_error,
     from_rpc_error,
+    label,
 )
 from tokenmesh.redaction import StreamRedactor, capture_enabled, redact
 from tokenmesh.retry import write
@@ -68,7 +69,7 @@ def _trace_chunk(span: trace.Span, piece: inference_pb2.GenerateChunk, output: l
         if piece.finish_reason:
             span.add_event("gen_ai.choice", {"gen_ai.completion": "".join(output) + redactor.flush()})
     if piece.finish_reason:
-        reason = inference_pb2.FinishReason.Name(piece.finish_reason).removeprefix("FINISH_REASON_").lower()
+        reason = label(piece.finish_reason, inference_pb2.FinishReason)
         span.set_attribute("gen_ai.response.finish_reasons", [reason])
         span.set_attribute("gen_ai.usage.input_tokens", piece.usage.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", piece.usage.completion_tokens)
@@ -136,9 +137,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             model = validate(request, self._pool, self._config.max_prompt_bytes)
             request_id = request.request_id or uuid.uuid4().hex
             if request_id in self.live:
-                raise AlreadyExists(f"request_id {request_id!r} is live already; use a new id, or Resume it")
+                raise AlreadyExists(f"request_id {request_id!r} is live already; use a new id, or Resume it",
+                                    reason="REQUEST_ID_LIVE", field="request_id")
         except MeshError as error:
-            self.metrics.refused(error.grpc_code.name.lower(), request.labels.get("tenant", ""))
+            self.metrics.refused(label(error.grpc_code), request.labels.get("tenant", ""))
             raise
         base = inference_pb2.GenerateRequest()
         base.CopyFrom(request)
@@ -223,7 +225,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 finally:
                     self._admission.release(entry, tenant)
         except MeshError as error:
-            track.failed(error.grpc_code.name.lower(), progress.seq > 0)
+            track.failed(label(error.grpc_code), progress.seq > 0)
             if span is not None:
                 span.set_attribute("error.type", error.grpc_code.name)
                 span.set_status(StatusCode.ERROR, error.message)
@@ -261,7 +263,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
-            raise Unavailable("this router is draining (shutting down); send the call to another router")
+            raise Unavailable("this router is draining (shutting down); send the call to another router",
+                              reason="ROUTER_DRAINING")
 
     def _begin(self, request_id: str, *, resumed: bool = False) -> Live:
         """Count a stream of request_id as live on this router."""
@@ -308,7 +311,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             async for piece in self._resume(request, context):
                 yield piece
         except MeshError as error:
-            self.metrics.resumes.labels(error.grpc_code.name.lower()).inc()
+            self.metrics.resumes.labels(label(error.grpc_code)).inc()
             raise
         self.metrics.resumes.labels("ok").inc()
 
@@ -343,7 +346,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     while event is not grpc.aio.EOF:
                         if event.WhichOneof("event") == "error":
                             if event.error.error_class in CALLER_ERROR_CLASSES:
-                                raise from_generation_error(event.error)
+                                raise from_generation_error(event.error, entry.address)
                             raise Unavailable(f"generation {request_id} failed on its worker: {event.error.message}")
                         yield chunk(event, request_id, "")
                         if event.WhichOneof("event") == "end":
@@ -373,7 +376,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             response = await self._cancel(request, context)
         except MeshError as error:
-            self.metrics.cancels.labels(error.grpc_code.name.lower()).inc()
+            self.metrics.cancels.labels(label(error.grpc_code)).inc()
             raise
         self.metrics.cancels.labels("ok").inc()
         return response

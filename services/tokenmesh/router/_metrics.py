@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tokenmesh.errors import label
 from tokenmesh.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, TenantLabel
 from tokenmesh.router._admission import Admission
 from tokenmesh.router._pool import WorkerPool
@@ -110,7 +111,7 @@ class GenerationMetrics:
 
     def queued(self, seconds: float, priority: int) -> None:
         """The first admission's wait."""
-        name = inference_pb2.Priority.Name(priority).removeprefix("PRIORITY_").lower() if priority else "normal"
+        name = label(priority, inference_pb2.Priority) if priority else "normal"
         self._metrics.queue.labels(self._model, name).observe(seconds)
 
     def chunk(self, piece: inference_pb2.GenerateChunk, worker: str) -> None:
@@ -130,7 +131,7 @@ class GenerationMetrics:
     def _finished(self, final: inference_pb2.GenerateChunk, now: float) -> None:
         self.finished = True
         m, model = self._metrics, self._model
-        outcome = inference_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+        outcome = label(final.finish_reason, inference_pb2.FinishReason)
         m.requests.labels(model, outcome, self._tenant).inc()
         m.e2e.labels(model, outcome).observe(now - self.started)
         m.prompt_tokens.labels(model).inc(final.usage.prompt_tokens)
@@ -195,13 +196,13 @@ class _PoolCollector(Collector):
                                    labels=["worker"])
         state = GaugeMetricFamily("tokenmesh_router_worker_state", "1 for the worker's state, 0 for the others",
                                   labels=["worker", "state"])
-        states = [router_pb2.WorkerState.Name(s).removeprefix("WORKER_STATE_").lower()
+        states = [label(s, router_pb2.WorkerState)
                   for s in router_pb2.WorkerState.values()]
         for row in pool.table().workers:
             in_flight.add_metric([row.address], row.in_flight)
             limit.add_metric([row.address], row.concurrency_limit)
             weight.add_metric([row.address], row.weight)
-            current = router_pb2.WorkerState.Name(row.state).removeprefix("WORKER_STATE_").lower()
+            current = label(row.state, router_pb2.WorkerState)
             for name in states:
                 state.add_metric([row.address, name], 1.0 if name == current else 0.0)
         yield from (in_flight, limit, weight, state)

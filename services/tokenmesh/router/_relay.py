@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from tokenmesh.errors import CALLER_ERROR_CLASSES, from_generation_error, from_rpc_error
+from tokenmesh.errors import CALLER_ERROR_CLASSES, from_generation_error, from_rpc_error, label
 from tokenmesh.retry import write
 from tokenmesh.router._cancels import WorkerCancels
 from tokenmesh.router._config import RouterConfig
@@ -95,7 +95,7 @@ class Progress:
 
 def error_kind(error_class: worker_pb2.ErrorClass) -> str:
     """A worker error class as a metric label: ERROR_CLASS_OUT_OF_MEMORY -> out_of_memory."""
-    return worker_pb2.ErrorClass.Name(error_class).removeprefix("ERROR_CLASS_").lower()
+    return label(error_class, worker_pb2.ErrorClass)
 
 
 def continuation(base: inference_pb2.GenerateRequest, progress: Progress) -> inference_pb2.GenerateRequest | None:
@@ -273,7 +273,7 @@ class Relay:
                 if kind == "error":
                     finished = True
                     if event.error.error_class in CALLER_ERROR_CLASSES:
-                        raise from_generation_error(event.error)
+                        raise from_generation_error(event.error, entry.address)
                     raise WorkerFailed(event.error.message, error_kind(event.error.error_class))
                 if event.seq != progress.seq + 1:
                     raise WorkerFailed(f"worker sent seq {event.seq}, expected {progress.seq + 1}", "seq_gap")
@@ -300,7 +300,7 @@ class Relay:
             # mid-stream it is the caller reading too slowly (the worker's replay buffer overflowed).
             if code in CALLER_CODES or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and received):
                 raise from_rpc_error(exc) from exc
-            raise WorkerFailed(f"{code.name}: {exc.details()}", code.name.lower()) from exc
+            raise WorkerFailed(f"{code.name}: {exc.details()}", label(code)) from exc
         except asyncio.CancelledError:
             if watchdog.stalled:
                 raise WorkerFailed(watchdog.stalled, "stall") from None

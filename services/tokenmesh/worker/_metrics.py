@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tokenmesh.errors import label
 from tokenmesh.metrics import ITL_BUCKETS, TTFT_BUCKETS
 from tokenmesh.v1 import inference_pb2, worker_pb2
 
@@ -63,7 +64,7 @@ class WorkerMetrics:
         if last is None:
             outcome = "dropped"
         elif last.WhichOneof("event") == "end":
-            outcome = inference_pb2.FinishReason.Name(last.end.finish_reason).removeprefix("FINISH_REASON_").lower()
+            outcome = label(last.end.finish_reason, inference_pb2.FinishReason)
         elif last.WhichOneof("event") == "error":
             outcome = error_label(last.error.error_class)
             self.failures.labels(outcome).inc()
@@ -74,7 +75,7 @@ class WorkerMetrics:
 
 def error_label(error_class: worker_pb2.ErrorClass) -> str:
     """ERROR_CLASS_OUT_OF_MEMORY -> out_of_memory."""
-    return worker_pb2.ErrorClass.Name(error_class).removeprefix("ERROR_CLASS_").lower()
+    return label(error_class, worker_pb2.ErrorClass)
 
 
 class _StateCollector(Collector):

@@ -12,7 +12,7 @@ from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
 from tokenmesh import logs
-from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable, label
 from tokenmesh.tracing import from_mapping, inject
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.validation import check_max_tokens, check_request, require_request_id
@@ -31,7 +31,7 @@ def _trace_event(span: trace.Span, event: worker_pb2.WorkerEvent) -> None:
         if event.chunk.HasField("engine_ttft_ms"):
             span.add_event("gen_ai.first_token", {"tokenmesh.engine_ttft_ms": event.chunk.engine_ttft_ms})
     elif kind == "end":
-        reason = inference_pb2.FinishReason.Name(event.end.finish_reason).removeprefix("FINISH_REASON_").lower()
+        reason = label(event.end.finish_reason, inference_pb2.FinishReason)
         span.set_attribute("gen_ai.response.finish_reasons", [reason])
         span.set_attribute("gen_ai.usage.input_tokens", event.end.usage.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", event.end.usage.completion_tokens)
@@ -147,7 +147,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         for spec in models:
             if spec.name == name:
                 return spec
-        raise NotFound(f"model {name!r} is not served here; served: {', '.join(m.name for m in models)}")
+        raise NotFound(f"model {name!r} is not served here; served: {', '.join(m.name for m in models)}",
+                       reason="MODEL_NOT_SERVED", metadata={"model": name})
 
     def _tokens_now(self) -> int:
         """Tokens generated so far, running generations included."""
@@ -165,7 +166,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if first is None or first.WhichOneof("command") != "start":
             raise InvalidArgument("the first WorkerCommand must be `start` with the GenerateRequest")
         if not self.serving:
-            raise Unavailable("worker is not serving (starting, draining, or its Triton is down)")
+            raise Unavailable("worker is not serving (starting, draining, or its Triton is down)",
+                              reason="WORKER_NOT_SERVING")
         req = first.start
         if not req.request_id:
             raise InvalidArgument("start.request_id is required (the router assigns one)")
@@ -173,7 +175,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         check_request(req)
         if self.in_flight >= self.limits.admission_limit():
             lowered = " (lowered after a device out-of-memory)" if self.limits.lowered is not None else ""
-            raise ResourceExhausted(f"worker is at its limit of {self.limits.admission_limit()} generations{lowered}")
+            raise ResourceExhausted(f"worker is at its limit of {self.limits.admission_limit()} generations{lowered}",
+                                    reason="WORKER_AT_LIMIT")
         spec = self._model(req.model)
         if not req.HasField("max_tokens"):
             raise InvalidArgument("start.max_tokens is required (the router sets the default)")
