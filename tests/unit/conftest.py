@@ -8,7 +8,9 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2_grpc
 
+from tokenmesh.errors import ErrorInterceptor
 from tokenmesh.router import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2_grpc, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
@@ -88,3 +90,17 @@ async def in_process_mesh(
 async def mesh() -> AsyncIterator[InProcessMesh]:
     async with in_process_mesh() as m:
         yield m
+
+
+@contextlib.asynccontextmanager
+async def behind_error_interceptor(servicer: health_pb2_grpc.HealthServicer) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to a server running ``servicer`` (a Health servicer that raises) behind the ErrorInterceptor."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        await server.stop(0)

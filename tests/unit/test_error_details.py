@@ -18,7 +18,6 @@ from grpc_status import rpc_status
 from tokenmesh.errors import (
     DOMAIN,
     MAX_MESSAGE,
-    ErrorInterceptor,
     FieldViolation,
     InvalidArgument,
     NotFound,
@@ -30,7 +29,7 @@ from tokenmesh.errors import (
 )
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
 
-from .conftest import InProcessMesh, in_process_mesh, wait_until
+from .conftest import InProcessMesh, behind_error_interceptor, in_process_mesh, wait_until
 
 SLOTS = 8  # two fake workers x 4 slots
 
@@ -141,17 +140,10 @@ async def test_details_go_out_mid_stream_too() -> None:
             raise Unavailable("the worker went away", reason="WORKER_LOST", metadata={"worker": "w:1"},
                               retry_delay=0.5)
 
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-    health_pb2_grpc.add_HealthServicer_to_server(Failing(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=5)
-            assert (await call.read()).status == health_pb2.HealthCheckResponse.SERVING
-            exc = await refused(call)
-    finally:
-        await server.stop(0)
+    async with behind_error_interceptor(Failing()) as channel:
+        call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=5)
+        assert (await call.read()).status == health_pb2.HealthCheckResponse.SERVING
+        exc = await refused(call)
     error = from_rpc_error(exc)
     assert type(error) is Unavailable and error.message == "the worker went away"
     assert (error.reason, error.metadata, error.retry_delay, error.answered) == ("WORKER_LOST", {"worker": "w:1"},
@@ -165,16 +157,9 @@ async def test_a_long_message_is_cut_so_the_error_and_its_details_still_arrive()
         async def Check(self, request, context):  # noqa: N802
             raise InvalidArgument("x" * 10_000, field="prompt")
 
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-    health_pb2_grpc.add_HealthServicer_to_server(Failing(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-    finally:
-        await server.stop(0)
+    async with behind_error_interceptor(Failing()) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     error = from_rpc_error(info.value)
     assert type(error) is InvalidArgument and error.answered and error.message == "x" * (MAX_MESSAGE - 1) + "…"
     assert error.field_violations[0].field == "prompt"

@@ -82,7 +82,9 @@ async def test_every_mesh_error_survives_the_wire_and_comes_back_as_itself() -> 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from tokenmesh.errors import ERRORS, ErrorInterceptor, FieldViolation, Internal, MeshError, from_rpc_error
+    from tokenmesh.errors import ERRORS, FieldViolation, Internal, MeshError, from_rpc_error
+
+    from .conftest import behind_error_interceptor
 
     raised: list[MeshError] = []
 
@@ -90,29 +92,22 @@ async def test_every_mesh_error_survives_the_wire_and_comes_back_as_itself() -> 
         async def Check(self, request, context):  # noqa: N802
             raise raised[-1]
 
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-    health_pb2_grpc.add_HealthServicer_to_server(Failing(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            assert len({cls.grpc_code for cls in ERRORS}) == len(ERRORS)  # one class per code
-            for cls in ERRORS:
-                raised.append(cls(f"what went wrong with {cls.__name__}", reason="SOME_REASON", field="max_tokens",
-                                  metadata={"model": "m"}, retry_delay=0.25))
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
-                back = from_rpc_error(caught.value)
-                assert type(back) is cls
-                assert back.message == f"what went wrong with {cls.__name__}"
-                assert (back.reason, back.domain, back.metadata) == ("SOME_REASON", "tokenmesh", {"model": "m"})
-                assert back.field_violations == (FieldViolation("max_tokens", back.message),)
-                assert back.retry_delay == 0.25 and back.answered
-                assert dict(caught.value.trailing_metadata() or ())["retry-after-ms"] == "250"  # for older callers
-                assert back.http_status == cls.http_status
-    finally:
-        await server.stop(0)
+    async with behind_error_interceptor(Failing()) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        assert len({cls.grpc_code for cls in ERRORS}) == len(ERRORS)  # one class per code
+        for cls in ERRORS:
+            raised.append(cls(f"what went wrong with {cls.__name__}", reason="SOME_REASON", field="max_tokens",
+                              metadata={"model": "m"}, retry_delay=0.25))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            back = from_rpc_error(caught.value)
+            assert type(back) is cls
+            assert back.message == f"what went wrong with {cls.__name__}"
+            assert (back.reason, back.domain, back.metadata) == ("SOME_REASON", "tokenmesh", {"model": "m"})
+            assert back.field_violations == (FieldViolation("max_tokens", back.message),)
+            assert back.retry_delay == 0.25 and back.answered
+            assert dict(caught.value.trailing_metadata() or ())["retry-after-ms"] == "250"  # for older callers
+            assert back.http_status == cls.http_status
     unknown = from_rpc_error(grpc.aio.AioRpcError(grpc.StatusCode.DATA_LOSS, grpc.aio.Metadata(),
                                                   grpc.aio.Metadata(), details="bits lost"))
     assert type(unknown) is Internal and unknown.message == "DATA_LOSS: bits lost"
