@@ -22,6 +22,7 @@ import contextlib
 import logging
 import random
 import socket
+import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
@@ -186,7 +187,9 @@ class Client:
 
     def _policy(self, what: str, deadline_s: float) -> Reconnect:
         """The mesh's retry policy (tokenmesh.retry) for one call: full jitter up to 2 s, one deadline."""
-        backoff = Backoff(initial_s=self.initial_backoff_s, max_s=2.0, deadline_s=deadline_s)
+        # A library's retries stay quiet: the caller learns of a failure from the error it raises (a command such
+        # as `tokenmesh bench` prints that one line), so no WARNING after warn_after failures.
+        backoff = Backoff(initial_s=self.initial_backoff_s, max_s=2.0, deadline_s=deadline_s, warn_after=sys.maxsize)
         return Reconnect(what, ",".join(self._names), backoff, log, loud=False)
 
     async def _rediscover(self, failures: int) -> None:
