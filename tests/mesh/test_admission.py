@@ -8,9 +8,8 @@ import time
 import grpc
 import pytest
 
+from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
 from tokenmesh.v1 import inference_pb2, router_pb2
-
-from .conftest import InProcessMesh, in_process_mesh, wait_until
 
 SLOTS = 8  # two fake workers x 4 slots
 

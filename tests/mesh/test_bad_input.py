@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.support.mesh import InProcessMesh
 from tokenmesh.v1 import (
     inference_pb2,
     router_pb2,
@@ -23,8 +24,6 @@ from tokenmesh.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-
-from .conftest import InProcessMesh
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -367,7 +366,7 @@ def test_every_rpc_has_a_case() -> None:
 
 
 async def test_a_chat_for_a_prompt_only_model_is_a_caller_error_not_a_worker_failure() -> None:
-    from .conftest import in_process_mesh
+    from tests.support.mesh import in_process_mesh
 
     async with in_process_mesh(backend_settings={"chat": False}) as mesh:
         chat = inference_pb2.GenerateRequest(max_tokens=3)

@@ -7,13 +7,12 @@ import socket
 
 import pytest
 
+from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
+from tests.support.tcp_proxy import TcpProxy
 from tokenmesh.client import Client, SyncClient
 from tokenmesh.errors import InvalidArgument, NotFound, Unavailable
 from tokenmesh.router import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2
-
-from .conftest import InProcessMesh, in_process_mesh, wait_until
-from .tcp_proxy import TcpProxy
 
 
 def dead_address() -> str:

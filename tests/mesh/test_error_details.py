@@ -15,6 +15,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from tests.support.mesh import InProcessMesh, behind_error_interceptor, in_process_mesh, wait_until
 from tokenmesh.errors import (
     DOMAIN,
     MAX_MESSAGE,
@@ -28,8 +29,6 @@ from tokenmesh.errors import (
     label,
 )
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
-
-from .conftest import InProcessMesh, behind_error_interceptor, in_process_mesh, wait_until
 
 SLOTS = 8  # two fake workers x 4 slots
 

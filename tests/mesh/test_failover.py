@@ -8,13 +8,12 @@ import time
 import grpc
 import pytest
 
+from tests.support.fakes import FakeBackend
+from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
+from tests.support.tcp_proxy import TcpProxy
 from tokenmesh.router import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
 from tokenmesh.worker import Worker, WorkerConfig
-
-from .conftest import InProcessMesh, in_process_mesh, wait_until
-from .fakes import FakeBackend
-from .tcp_proxy import TcpProxy
 
 
 async def collect(mesh: InProcessMesh, **fields) -> list[inference_pb2.GenerateChunk]:

@@ -7,10 +7,9 @@ import asyncio
 import grpc
 import pytest
 
+from tests.support.mesh import InProcessMesh, in_process_mesh, stats, wait_until
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker import BackendError
-
-from .conftest import InProcessMesh, in_process_mesh, stats, wait_until
 
 
 async def collect(mesh: InProcessMesh, **fields) -> list[inference_pb2.GenerateChunk]:

@@ -16,11 +16,10 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from tests.support.fuzz_targets import BROKEN, TARGETS, WORKER_TARGETS, call, payloads
+from tests.support.mesh import in_process_mesh
 from tokenmesh.certs import make_dev_certs
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
-
-from ..fuzz_targets import BROKEN, TARGETS, WORKER_TARGETS, call, payloads
-from .conftest import in_process_mesh
 
 EXAMPLES = 300
 

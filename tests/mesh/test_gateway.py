@@ -13,10 +13,9 @@ import orjson
 import pytest
 from openai._streaming import SSEDecoder
 
+from tests.support.gateway_helpers import Reader, datas, events, gateway_over, text_after, text_of
+from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
 from tokenmesh_gateway import hash_key
-
-from .conftest import InProcessMesh, in_process_mesh, wait_until
-from .gateway_helpers import Reader, datas, events, gateway_over, text_after, text_of
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -384,15 +383,15 @@ async def test_a_stream_next_to_bad_requests_is_untouched(mesh: InProcessMesh) -
 
 
 async def test_bench_drives_the_gateway_as_an_openai_endpoint(tmp_path: Path) -> None:
-    from .test_bench import _run_cli
+    from tests.support.bench import run_bench
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"prompt": "once"}\n')
     async with in_process_mesh() as mesh, gateway_over(mesh) as gw:
         report = tmp_path / "report.json"
-        out = await _run_cli("--target", "openai", "--url", gw.url, "--requests", "10", "--concurrency", "3",
+        out = await run_bench("--target", "openai", "--url", gw.url, "--requests", "10", "--concurrency", "3",
                              "--output-tokens", "7", "--prompts", str(prompts), "--json", str(report))
-        unknown = await _run_cli("--target", "openai", "--url", gw.url, "--model", "nope")
+        unknown = await run_bench("--target", "openai", "--url", gw.url, "--model", "nope")
         started = [g.params for b in mesh.backends for g in b.started]
     assert out.returncode == 0, out.stderr
     summary = orjson.loads(report.read_bytes())["summaries"]["openai"]
@@ -401,9 +400,9 @@ async def test_bench_drives_the_gateway_as_an_openai_endpoint(tmp_path: Path) ->
     assert {bool(p.messages) for p in started} == {True, False}  # chat and completions both
     assert all(p.ignore_eos and p.seed == 0 and p.max_tokens == 7 for p in started)
     assert unknown.returncode == 2 and "model 'nope' is not served at" in unknown.stderr
-    down = await _run_cli("--target", "openai", "--url", f"http://{dead_address()}/v1")
+    down = await run_bench("--target", "openai", "--url", f"http://{dead_address()}/v1")
     assert down.returncode == 2 and "cannot reach" in down.stderr
-    missing = await _run_cli("--target", "openai")
+    missing = await run_bench("--target", "openai")
     assert missing.returncode == 2 and "--target openai needs --url" in missing.stderr
 
 

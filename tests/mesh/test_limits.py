@@ -8,11 +8,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
 from tokenmesh.client import Client
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.validation import MAX_LABEL_VALUE_CHARS, MAX_LABELS, MAX_REQUEST_ID_CHARS, MAX_STOP, MAX_STOP_CHARS
-
-from .conftest import InProcessMesh, in_process_mesh, wait_until
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 

@@ -8,10 +8,9 @@ import logging
 
 from opentelemetry.sdk.trace import TracerProvider
 
+from tests.support.mesh import in_process_mesh
 from tokenmesh.logs import CallContext, JsonFormatter
 from tokenmesh.v1 import inference_pb2, worker_pb2
-
-from .conftest import in_process_mesh
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 

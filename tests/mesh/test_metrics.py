@@ -11,11 +11,10 @@ import grpc
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.dns_server import free_port_on
+from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
 from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.v1 import inference_pb2
-
-from ..dns_server import free_port_on
-from .conftest import InProcessMesh, in_process_mesh, wait_until
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from tests.support.mesh import InProcessMesh, wait_until
 from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.v1 import router_pb2
 from tokenmesh.worker import DeviceReading
-
-from .conftest import InProcessMesh, wait_until
 
 
 async def test_tables_reach_the_router_and_are_acked(mesh: InProcessMesh) -> None:

@@ -7,12 +7,11 @@ import asyncio
 import grpc
 import pytest
 
+from tests.support.fakes import FakeBackend
+from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
 from tokenmesh.errors import OutOfRange, ResourceExhausted
 from tokenmesh.v1 import inference_pb2, worker_pb2
 from tokenmesh.worker import GenerationParams, Record, Registry
-
-from .conftest import InProcessMesh, in_process_mesh, wait_until
-from .fakes import FakeBackend
 
 
 def expected_text(n: int) -> str:

@@ -12,12 +12,11 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from tests.support.fakes import FakeBackend
+from tests.support.mesh import InProcessMesh, wait_until
 from tokenmesh.router import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
-
-from .conftest import InProcessMesh, wait_until
-from .fakes import FakeBackend
 
 SLOTS = 8  # two fake workers x 4 slots
 

@@ -6,13 +6,12 @@ import asyncio
 
 import grpc
 
+from tests.support.fakes import FakeBackend
+from tests.support.mesh import wait_until
 from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.router import Router, RouterConfig, WorkerEntry, WorkerPool
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
-
-from .conftest import wait_until
-from .fakes import FakeBackend
 
 # A channel of its own connection (grpc shares connections between channels by default).
 OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)

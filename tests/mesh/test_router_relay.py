@@ -5,9 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from tests.support.mesh import InProcessMesh
 from tokenmesh.v1 import inference_pb2, router_pb2
-
-from .conftest import InProcessMesh
 
 
 async def collect(mesh: InProcessMesh, **fields: object) -> list[inference_pb2.GenerateChunk]:

@@ -7,10 +7,9 @@ import time
 
 import grpc
 
+from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
 from tokenmesh.router import WorkerPool
 from tokenmesh.v1 import inference_pb2, router_pb2, router_pb2_grpc, worker_pb2
-
-from .conftest import InProcessMesh, in_process_mesh, wait_until
 
 
 def test_the_pool_reports_health_tables_and_limits() -> None:

@@ -7,11 +7,10 @@ import math
 import grpc
 import pytest
 
+from tests.support.mesh import InProcessMesh, in_process_mesh
 from tokenmesh.config import ConfigError
 from tokenmesh.router import RouterConfig
 from tokenmesh.v1 import inference_pb2, router_pb2, router_pb2_grpc
-
-from .conftest import InProcessMesh, in_process_mesh
 
 
 async def push(mesh: InProcessMesh, *tables: router_pb2.WeightTable) -> list[router_pb2.WeightAck]:

@@ -7,9 +7,8 @@ import asyncio
 import grpc
 import pytest
 
+from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
 from tokenmesh.v1 import inference_pb2, router_pb2
-
-from .conftest import InProcessMesh, in_process_mesh, wait_until
 
 
 async def collect(mesh: InProcessMesh, **fields) -> list[inference_pb2.GenerateChunk]:

@@ -13,14 +13,13 @@ import grpc
 import pytest
 from cryptography import x509
 
+from tests.support.fakes import FakeBackend
+from tests.support.mesh import wait_until
 from tokenmesh.certs import issue, load_ca, make_ca, make_dev_certs
 from tokenmesh.config import ConfigError
 from tokenmesh.router import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
-
-from .conftest import wait_until
-from .fakes import FakeBackend
 
 
 def tls_flags(folder: Path, role: str, mode: str = "mtls") -> dict[str, str]:

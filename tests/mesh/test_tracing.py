@@ -8,10 +8,9 @@ import grpc
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from tests.support.mesh import in_process_mesh
+from tests.support.otlp_receiver import Receiver, attributes
 from tokenmesh.v1 import inference_pb2
-
-from ..otlp_receiver import Receiver, attributes
-from .conftest import in_process_mesh
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -104,7 +103,7 @@ async def test_one_trace_from_the_http_callers_traceparent_through_gateway_route
 ) -> None:
     import httpx
 
-    from .gateway_helpers import gateway_over
+    from tests.support.gateway_helpers import gateway_over
 
     async with in_process_mesh() as mesh, gateway_over(mesh) as gateway:
         async with httpx.AsyncClient(base_url=gateway.url) as http:

@@ -3,7 +3,7 @@ golden renders, refused values, and what the rendered objects promise.
 
 Golden renders live in helm/tokenmesh/tests/golden/; after a deliberate chart
 change, regenerate them with
-``UPDATE_GOLDEN=1 .venv/bin/pytest -q tests/unit/test_chart.py -k golden``
+``UPDATE_GOLDEN=1 .venv/bin/pytest -q tests/repo/test_chart.py -k golden``
 and review the diff.
 """
 
@@ -430,7 +430,7 @@ def test_golden_render(helm: str, example: str) -> None:
                                         str(golden.relative_to(ROOT)), f"{helm} template", n=2))
     if diff:
         pytest.fail(f"the render of {example} ({value_set} {extra}) changed; if that is meant, regenerate with "
-                    f"UPDATE_GOLDEN=1 .venv/bin/pytest -q tests/unit/test_chart.py -k golden\n{diff[:6000]}")
+                    f"UPDATE_GOLDEN=1 .venv/bin/pytest -q tests/repo/test_chart.py -k golden\n{diff[:6000]}")
 
 
 # ----------------------------------------------------------- refused values

@@ -4,7 +4,7 @@ It parses, its data source is a variable, every panel's PromQL names only the
 metrics docs/observability.md "## Metrics" lists (with labels they carry), and every
 expression is valid PromQL for Prometheus itself: promtool has no checker of a
 single expression, so each one is loaded as a recording rule and checked with
-``promtool check rules``. The chart's ConfigMap of it: tests/unit/test_chart.py.
+``promtool check rules``. The chart's ConfigMap of it: tests/repo/test_chart.py.
 """
 
 from __future__ import annotations

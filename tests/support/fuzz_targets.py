@@ -1,6 +1,6 @@
 """Hostile input for the mesh's RPCs: random bytes and extreme field values, as hypothesis strategies.
 
-Used by the short fuzz test in `make test` (tests/unit/test_fuzz.py) and by the long run against a real
+Used by the short fuzz test in `make test` (tests/mesh/test_fuzz.py) and by the long run against a real
 mesh (benchmarks/fuzz.py). Every call must end in a status code the caller can act on (never UNKNOWN or
 INTERNAL, which mean a handler broke), and the services must keep serving.
 """

@@ -11,7 +11,7 @@ import orjson
 
 from tokenmesh_gateway import Gateway, GatewayConfig
 
-from .conftest import InProcessMesh
+from .mesh import InProcessMesh
 
 
 @contextlib.asynccontextmanager

@@ -1,3 +1,5 @@
+"""The in-process mesh the unit and mesh tests share: two workers over FakeBackend and a router, on 127.0.0.1:0."""
+
 from __future__ import annotations
 
 import asyncio

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
+from tests.support.bench import run_bench
+from tests.support.mesh import in_process_mesh
 from tokenmesh.bench import metrics, prompts
 from tokenmesh.bench.metrics import RequestResult
-
-from .conftest import in_process_mesh
 
 
 def result(sent: float, chunks: list[tuple[float, int]], ended: float | None, tokens: int | None = None,
@@ -155,10 +155,10 @@ async def test_bench_against_a_mesh_counts_every_token_and_writes_json(tmp_path)
     async with in_process_mesh() as mesh:
         report = tmp_path / "report.json"
         plot = tmp_path / "plot.png"
-        out = await _run_cli(
+        out = await run_bench(
             "--addr", mesh.router.host.address, "--requests", "12", "--concurrency", "3", "--output-tokens", "9",
             "--input-tokens", "16", "--slo", "ttft=60000", "--json", str(report), "--plot", str(plot))
-        unknown = await _run_cli("--addr", mesh.router.host.address, "--model", "nope")
+        unknown = await run_bench("--addr", mesh.router.host.address, "--model", "nope")
     assert out.returncode == 0, out.stderr
     summary = json.loads(report.read_text())["summaries"]["mesh"]
     assert (summary["requests"], summary["successful"], summary["output_tokens"]) == (12, 12, 12 * 9)
@@ -171,21 +171,6 @@ async def test_bench_against_a_mesh_counts_every_token_and_writes_json(tmp_path)
     assert "TTFT added by mesh (ms)" in out.stdout and "of it inside (ms)" in out.stdout
     assert plot.stat().st_size > 10_000 and plot.read_bytes().startswith(b"\x89PNG")
     assert unknown.returncode == 2 and "model 'nope' is not served by the mesh" in unknown.stderr
-
-
-async def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    import asyncio
-
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokenmesh", "bench", "--progress", "off", "--warmup", "0", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        stdout, stderr = await asyncio.wait_for(proc.communicate(), 120)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    return subprocess.CompletedProcess(args, proc.returncode or 0, stdout.decode(), stderr.decode())
 
 
 def test_the_direct_target_sends_each_request_to_the_least_outstanding_triton() -> None:

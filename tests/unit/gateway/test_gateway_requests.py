@@ -14,13 +14,12 @@ import httpx
 import orjson
 import pytest
 
+from tests.support.gateway_helpers import gateway_over
+from tests.support.mesh import InProcessMesh
 from tokenmesh.config import ConfigError
 from tokenmesh_gateway import GatewayConfig, HttpError, hash_key, load_keys
 from tokenmesh_gateway._app import ROUTES, TABLE, routes_markdown
 from tokenmesh_gateway._openai import parse
-
-from .conftest import InProcessMesh
-from .gateway_helpers import gateway_over
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -169,7 +168,7 @@ async def test_bad_requests_over_http_are_precise_4xx_with_the_openai_error(mesh
 
 # -- the route table ---------------------------------------------------------------------------------------------
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "gateway.md"
 
 
 def _dead_router() -> str:
@@ -305,8 +304,8 @@ def test_the_gateway_grace_periods_are_settings_with_flags_and_env() -> None:
 async def test_headers_over_the_limit_get_431_and_the_gateway_serves_on() -> None:
     import asyncio
 
-    from .conftest import in_process_mesh
-    from .gateway_helpers import gateway_over
+    from tests.support.gateway_helpers import gateway_over
+    from tests.support.mesh import in_process_mesh
 
     async with in_process_mesh() as mesh, gateway_over(mesh, max_header_bytes=4096) as gateway:
         host, port = gateway.address.rsplit(":", 1)

@@ -12,10 +12,9 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.support.mesh import wait_until
 from tokenmesh.router import FORWARDED, Peers
 from tokenmesh.v1 import router_pb2, router_pb2_grpc
-
-from .conftest import wait_until
 
 
 class Recorder(router_pb2_grpc.ControlServicer):

@@ -6,11 +6,10 @@ import asyncio
 
 import grpc
 
+from tests.support.mesh import InProcessMesh, in_process_mesh, stats, wait_until
 from tokenmesh.prober import Prober, ProberConfig, Scoring, WorkerView, compute_weight
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker import AdaptiveLimit, DeviceReading
-
-from .conftest import InProcessMesh, in_process_mesh, stats, wait_until
 
 
 async def collect(mesh: InProcessMesh, request: inference_pb2.GenerateRequest) -> list[inference_pb2.GenerateChunk]:

@@ -8,13 +8,12 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2
 
+from tests.support.fakes import FakeBackend
+from tests.support.mesh import in_process_mesh, stats
 from tokenmesh.v1 import inference_pb2, worker_pb2
 from tokenmesh.worker import BackendError, Delta, Finished, GenerationParams
 from tokenmesh.worker.triton import MalformedBytes, TritonGeneration, build_request, decode_first, encode_bytes
 from tokenmesh.worker.triton._codec import _Outputs
-
-from .conftest import in_process_mesh, stats
-from .fakes import FakeBackend
 
 NON_ASCII = "Paris — 巴黎 🇫🇷"
 
