@@ -23,13 +23,11 @@ from pathlib import Path
 import grpc
 from common import client_credentials, synthetic_repository
 from hypothesis.errors import NonInteractiveExampleWarning
+from tests.support.fuzz_targets import BROKEN, TARGETS, WORKER_TARGETS, call, payloads  # root on the path: common
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' strategies
-from tests.support.fuzz_targets import BROKEN, TARGETS, WORKER_TARGETS, call, payloads  # noqa: E402
-
-from tokenmesh.certs import make_dev_certs  # noqa: E402
-from tokenmesh.mesh import Mesh, MeshConfig  # noqa: E402
-from tokenmesh.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
+from tokenmesh.certs import make_dev_certs
+from tokenmesh.mesh import Mesh, MeshConfig
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 
 def serving(channel: grpc.Channel, timeout_s: float = 60) -> None:
