@@ -34,7 +34,7 @@ TOKENS = 3000
 def prometheus_binary() -> str:
     found = shutil.which("prometheus")
     if not found:
-        pytest.fail("prometheus not found: .ci/run installs Debian's package (apt-get install prometheus)")
+        pytest.fail("prometheus not found: `make test-deps` installs Debian's package")
     return found
 
 

@@ -15,7 +15,7 @@ RULES = ROOT / "helm/tokenmesh/files/tokenmesh-alerts.yaml"
 def promtool() -> str:
     found = shutil.which("promtool")
     if not found:
-        pytest.fail("promtool not found: `make venv` installs Debian's prometheus (scripts/install_debian_packages.sh)")
+        pytest.fail("promtool not found: `make test-deps` installs Debian's prometheus")
     return found
 
 

@@ -183,7 +183,7 @@ def test_the_dashboard_shows_what_issue_14_asks() -> None:
 def promtool() -> str:
     found = shutil.which("promtool")
     if not found:
-        pytest.fail("promtool not found: `make venv` installs Debian's prometheus (scripts/install_debian_packages.sh)")
+        pytest.fail("promtool not found: `make test-deps` installs Debian's prometheus")
     return found
 
 
