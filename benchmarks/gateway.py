@@ -35,14 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from common import running_mesh, synthetic_repository
+from common import cpu_seconds, running_mesh, synthetic_repository
 
 from tokenmesh.bench.metrics import RequestResult, summarize
 from tokenmesh.bench.prompts import synthetic
 from tokenmesh.bench.runner import Load, drive
 from tokenmesh.bench.targets import MeshTarget, OpenAITarget, Target
 from tokenmesh.mesh import MeshConfig
-from tokenmesh.process import cpu_seconds
 
 
 def figures(results: list[RequestResult]) -> dict[str, Any]:

@@ -32,7 +32,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-from common import client_credentials, free_port, running_mesh, start_relay, synthetic_repository, tree_cpu_seconds
+from common import (
+    client_credentials,
+    cpu_seconds,
+    free_port,
+    running_mesh,
+    start_relay,
+    synthetic_repository,
+    tree_cpu_seconds,
+)
 
 from tokenmesh.bench.metrics import RequestResult, summarize
 from tokenmesh.bench.prompts import synthetic
@@ -40,7 +48,7 @@ from tokenmesh.bench.runner import Load, drive
 from tokenmesh.bench.targets import MeshTarget
 from tokenmesh.certs import make_dev_certs
 from tokenmesh.mesh import Mesh, MeshConfig
-from tokenmesh.process import cpu_seconds, stop_process
+from tokenmesh.process import stop_process
 
 
 async def measure(addr: str, hop_pid: int, args: argparse.Namespace, workers: list[int],

@@ -40,10 +40,10 @@ from typing import Any
 
 import grpc
 import psutil
-from common import percentile, running_mesh, synthetic_repository, tree_cpu_seconds
+from common import cpu_seconds, percentile, running_mesh, synthetic_repository, tree_cpu_seconds
 
 from tokenmesh.mesh import MeshConfig
-from tokenmesh.process import cpu_seconds, dies_with_parent, stop_process
+from tokenmesh.process import dies_with_parent, stop_process
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 STREAMS_PER_CHANNEL = 1000

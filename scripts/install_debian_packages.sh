@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the Debian packages the tests need (as their commands are missing):
-# prometheus and promtool for the metrics tests. Run by `make venv`; as root,
+# prometheus and promtool for the metrics tests. Run by `make test-deps` (so by
+# `make test` and .ci/run); `make venv` installs Python packages only. As root,
 # or through sudo when it is there.
 set -euo pipefail
 

@@ -6,8 +6,6 @@ import os
 import subprocess
 import sys
 
-import psutil
-
 # Runs in the child: ask the kernel for SIGKILL when the parent dies (even by
 # SIGKILL), give up if it already has, take the niceness asked for, then become
 # the real program (same PID; every thread it starts inherits the niceness).
@@ -37,23 +35,3 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     return proc.wait()
-
-
-def descendants(pid: int) -> list[int]:
-    """The process and every process below it (a tritonserver and its model stubs); [pid] once it is gone."""
-    try:
-        return [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return [pid]
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User plus system CPU time the processes still alive among pids have used."""
-    total = 0.0
-    for pid in pids:
-        try:
-            times = psutil.Process(pid).cpu_times()
-        except psutil.NoSuchProcess:
-            continue  # ended meanwhile
-        total += times.user + times.system
-    return total

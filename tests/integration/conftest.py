@@ -17,8 +17,8 @@ import grpc
 import psutil
 import pytest
 
+from tests.support.processes import descendants
 from tokenmesh.mesh import Mesh, MeshConfig
-from tokenmesh.process import descendants
 from tokenmesh.v1 import inference_pb2_grpc, router_pb2, router_pb2_grpc
 
 

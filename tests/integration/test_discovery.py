@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.support.dns_server import DnsServer, free_port_on
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 from tokenmesh.worker.triton import synthetic_repository
 
-from ..dns_server import DnsServer, free_port_on
 from .conftest import left_behind, mesh_pids
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tokenmesh.process import descendants
+from tests.support.processes import descendants
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 from .conftest import MeshHandle, alive, left_behind, mesh_pids, running_mesh, start_mesh, wait_all_serving

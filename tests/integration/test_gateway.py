@@ -19,13 +19,13 @@ import httpx
 import openai
 import pytest
 
+from tests.support.gateway_helpers import events, text_after, text_of
 from tokenmesh.client import Client
 from tokenmesh.mesh import Child, Mesh, MeshConfig
 from tokenmesh.process import stop_process
 from tokenmesh.v1 import inference_pb2, router_pb2, router_pb2_grpc
 from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
 
-from ..unit.gateway_helpers import events, text_after, text_of
 from .conftest import MeshHandle, left_behind, mesh_pids, running_mesh, wait_all_serving
 
 pytestmark = pytest.mark.integration

@@ -18,9 +18,9 @@ import httpx
 import orjson
 import pytest
 
-from ..unit.conftest import in_process_mesh
-from ..unit.gateway_helpers import Reader, gateway_over
-from ..unit.tcp_proxy import TcpProxy
+from tests.support.gateway_helpers import Reader, gateway_over
+from tests.support.mesh import in_process_mesh
+from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 

@@ -12,7 +12,7 @@ import grpc
 import psutil
 import pytest
 
-from tokenmesh.process import cpu_seconds, descendants
+from tests.support.processes import cpu_seconds, descendants
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 from .conftest import MeshHandle, grpcurl, json_stream

@@ -16,12 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.support.dns_server import free_port_on
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.process import stop_process
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker.triton import synthetic_repository
 
-from ..dns_server import free_port_on
 from .conftest import left_behind, mesh_pids, wait_all_serving
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,7 @@ TOKENS = 3000
 def prometheus_binary() -> str:
     found = shutil.which("prometheus")
     if not found:
-        pytest.fail("prometheus not found: .ci/run installs Debian's package (apt-get install prometheus)")
+        pytest.fail("prometheus not found: `make test-deps` installs Debian's package")
     return found
 
 

@@ -12,12 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.support.otlp_receiver import Receiver
 from tokenmesh.router import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
 from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
-
-from ..otlp_receiver import Receiver
 
 pytestmark = pytest.mark.integration
 

@@ -8,6 +8,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support.dns_server import DnsServer, free_port_on
+from tests.support.fakes import FakeBackend
+from tests.support.mesh import wait_until
 from tokenmesh.config import ConfigError
 from tokenmesh.discovery import EMPTY_ROUNDS, Discovery, DnsResolver, LookupFailed
 from tokenmesh.prober import ProberConfig
@@ -15,10 +18,6 @@ from tokenmesh.router import Router, RouterConfig
 from tokenmesh.server import ServiceHost
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
-
-from ..dns_server import DnsServer, free_port_on
-from .conftest import wait_until
-from .fakes import FakeBackend
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

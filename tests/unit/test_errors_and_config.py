@@ -82,9 +82,8 @@ async def test_every_mesh_error_survives_the_wire_and_comes_back_as_itself() -> 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from tests.support.mesh import behind_error_interceptor
     from tokenmesh.errors import ERRORS, FieldViolation, Internal, MeshError, from_rpc_error
-
-    from .conftest import behind_error_interceptor
 
     raised: list[MeshError] = []
 

@@ -19,13 +19,12 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support.fakes import FakeBackend
+from tests.support.mesh import InProcessMesh, wait_until
 from tokenmesh.lifecycle import Lifecycle
 from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
-
-from .conftest import InProcessMesh, wait_until
-from .fakes import FakeBackend
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

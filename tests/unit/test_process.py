@@ -1,4 +1,4 @@
-"""tokenmesh.process: process trees and their CPU time (psutil)."""
+"""tokenmesh.process.stop_process, and the process-tree helpers of tests/support (psutil)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tokenmesh.process import cpu_seconds, descendants, stop_process
+from tests.support.processes import cpu_seconds, descendants
+from tokenmesh.process import stop_process
 
 # A parent with two children, the second with a child of its own: four processes.
 TREE = "sleep 30 & bash -c 'sleep 30 & wait' & wait"

@@ -1,0 +1,3 @@
+"""Fixtures of this folder; their code lives in tests/support, shared with the other folders."""
+
+from tests.support.mesh import mesh as mesh  # the in-process mesh (two workers over FakeBackend and a router)

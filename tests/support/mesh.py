@@ -1,0 +1,108 @@
+"""The in-process mesh the unit and mesh tests share: two workers over FakeBackend and a router, on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2_grpc
+
+from tokenmesh.errors import ErrorInterceptor
+from tokenmesh.router import Router, RouterConfig
+from tokenmesh.v1 import inference_pb2_grpc, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tokenmesh.worker import Worker, WorkerConfig
+
+from .fakes import FakeBackend
+
+
+@dataclass
+class InProcessMesh:
+    router: Router
+    workers: list[Worker]
+    backends: list[FakeBackend]
+    channel: grpc.aio.Channel
+
+    @property
+    def inference(self) -> inference_pb2_grpc.InferenceStub:
+        return inference_pb2_grpc.InferenceStub(self.channel)
+
+    @property
+    def operator(self) -> router_pb2_grpc.RouterStub:
+        return router_pb2_grpc.RouterStub(self.channel)
+
+
+async def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)
+
+
+async def stats(mesh: InProcessMesh, i: int) -> worker_pb2.WorkerStats:
+    """One answer of worker i's Stats stream."""
+    async with grpc.aio.insecure_channel(mesh.workers[i].host.address) as channel:
+        call = worker_pb2_grpc.WorkerStub(channel).Stats()
+        await call.write(worker_pb2.StatsPing(ping_id=1))
+        result = await call.read()
+        call.cancel()
+        return result
+
+
+@contextlib.asynccontextmanager
+async def in_process_mesh(
+    worker_settings: dict[str, object] | None = None,
+    backend_settings: dict[str, Any] | None = None,
+    **router_settings: object,
+) -> AsyncIterator[InProcessMesh]:
+    """Two workers over FakeBackend and a router (no prober: even split over healthy workers)."""
+    backends = [FakeBackend(**(backend_settings or {})), FakeBackend(**(backend_settings or {}))]
+    workers = [Worker(WorkerConfig(port=0, drain_grace_s=1, **(worker_settings or {})), backend=b) for b in backends]
+    router: Router | None = None
+    channel: grpc.aio.Channel | None = None
+    try:  # everything started is stopped, also when a later start fails
+        for w in workers:
+            await w.start()
+        router = Router(
+            RouterConfig(port=0, workers=tuple(w.host.address for w in workers), drain_grace_s=1, **router_settings)
+        )
+        await router.start()
+        channel = grpc.aio.insecure_channel(router.host.address)
+        pool = router.pool
+        await wait_until(lambda: all(e.healthy and e.models for e in pool.entries.values()))
+        for b in backends:
+            b.started.clear()  # forget the warm-up generations
+        yield InProcessMesh(router, workers, backends, channel)
+    finally:
+        if channel is not None:
+            await channel.close()
+        if router is not None:
+            await router.shutdown()
+        for w in workers:
+            await w.shutdown()
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[InProcessMesh]:
+    async with in_process_mesh() as m:
+        yield m
+
+
+@contextlib.asynccontextmanager
+async def behind_error_interceptor(servicer: health_pb2_grpc.HealthServicer) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to a server running ``servicer`` (a Health servicer that raises) behind the ErrorInterceptor."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        await server.stop(0)
