@@ -38,7 +38,7 @@ from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._observe import Observation, generation_span
 from tokenmesh.router._outcome import WorkerFailed, outcome
 from tokenmesh.router._pool import WorkerEntry, WorkerPool, prefix_key
-from tokenmesh.router._relay import Live, Progress, Relay, chunk, continuation
+from tokenmesh.router._relay import Live, Progress, Relay, chunk, continuation, start_command
 from tokenmesh.router._spares import Spares
 from tokenmesh.router._validation import validate
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -133,8 +133,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     return
                 attempts += 1
                 try:
-                    relay = self._relay.run(entry, forward, live, context, progress,
-                                            resumable=bool(request.request_id), trace_context=observe.trace_context)
+                    start = start_command(forward, progress, context, resumable=bool(request.request_id),
+                                          trace_context=observe.trace_context)
+                    relay = self._relay.run(entry, start, live, progress)
                     observe.attempt(entry.address)
                     async with contextlib.aclosing(relay):
                         async for piece in relay:

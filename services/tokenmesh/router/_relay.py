@@ -195,18 +195,9 @@ class Relay:
         self._spares = spares
         self._cancels = cancels
 
-    async def run(
-        self,
-        entry: WorkerEntry,
-        forward: inference_pb2.GenerateRequest,
-        live: Live,
-        context: grpc.aio.ServicerContext[Any, Any],
-        progress: Progress,
-        *,
-        resumable: bool,
-        trace_context: dict[str, str] | None = None,
-    ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
-        """Run forward on entry's worker, its chunks numbered after progress.seq.
+    async def run(self, entry: WorkerEntry, start: worker_pb2.WorkerCommand, live: Live,
+                  progress: Progress) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
+        """Run start (see :func:`start_command`) on entry's worker, its chunks numbered after progress.seq.
 
         Raises WorkerFailed when the worker is at fault (it died, stalled, or
         reported a backend failure), so the caller's stream can continue
@@ -214,15 +205,13 @@ class Relay:
         with a caller-chosen request_id) the worker keeps it for Resume;
         otherwise the worker is told to stop.
         """
+        forward = start.start
         call = self._spares.take(entry.address)
         live.call = call
         watchdog = StallWatchdog(call, self._ttft_timeout_s, self._stall_timeout_s)
-        received = False
-        finished = False
-        detach = False
+        received = finished = detach = False
         try:
-            await self._start(call, entry.address, live, _start_command(forward, progress, context, resumable,
-                                                                         trace_context))
+            await self._start(call, entry.address, live, start)
             while True:
                 watchdog.reading()
                 event = await call.read()
@@ -253,10 +242,10 @@ class Relay:
         except asyncio.CancelledError:
             if watchdog.stalled:
                 raise WorkerFailed(watchdog.stalled, "stall") from None
-            detach = resumable  # the caller went away
+            detach = start.resumable  # the caller went away
             raise
         except GeneratorExit:
-            detach = resumable  # the caller went away
+            detach = start.resumable  # the caller went away
             raise
         finally:
             watchdog.stop()
@@ -274,14 +263,24 @@ class Relay:
             await write(call, worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
 
 
-def _start_command(
+def start_command(
     forward: inference_pb2.GenerateRequest,
     progress: Progress,
     context: grpc.aio.ServicerContext[Any, Any],
+    *,
     resumable: bool,
-    trace_context: dict[str, str] | None,
+    trace_context: dict[str, str] | None = None,
 ) -> worker_pb2.WorkerCommand:
-    """The worker's start command for forward, numbered after progress, within the caller's deadline."""
+    """The worker's start command for an attempt: forward, numbered after progress, within the caller's deadline.
+
+    Args:
+        forward: the request to run (see :func:`continuation`).
+        progress: what reached the caller before.
+        context: the caller's call (its deadline).
+        resumable: the worker keeps the generation for Resume when the caller goes away (a caller-chosen id).
+        trace_context: the W3C headers that make the router's span the parent of the worker's.
+
+    """
     start = worker_pb2.WorkerCommand(
         start=forward, first_seq=progress.seq + 1, tokens_before=progress.tokens, resumable=resumable
     )
