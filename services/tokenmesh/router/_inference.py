@@ -113,8 +113,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_id = base.request_id
         tenant = request.labels.get("tenant", "")
         key = prefix_key(request)
-        live = self._begin(request_id)
         observe = self._observe(base, tenant, bool(key), context)
+        live = self._begin(request_id)
         progress = Progress()
         attempts = 0
         try:
