@@ -69,8 +69,8 @@ class GatewayApp:
         self.exchanges = Exchanges(config.keepalive_s)
         self.draining = False
         self.created = int(time.time())
-        self.tracer: trace.Tracer | None = None
-        """A span per generation (None: tracing off)."""
+        self.tracer: trace.Tracer = trace.NoOpTracer()
+        """A span per generation (OpenTelemetry's no-op tracer while tracing is off)."""
         self.registry = CollectorRegistry()
         """The gateway's Prometheus metrics, served at /metrics."""
         self.requests = Counter("tokenmesh_gateway_http_requests_total", "HTTP requests by route and status",
@@ -132,8 +132,7 @@ class GatewayApp:
                 lambda: self.client.generate(request, timeout=self._timeout(), metadata=metadata), answer,
                 receive, send)
         finally:
-            if span is not None:
-                span.end()
+            span.end()
 
     async def _resume_get(self, kind: Kind, request_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         tenant = self._tenant(scope)
@@ -158,25 +157,23 @@ class GatewayApp:
         answer = Answer(kind, True, include_usage, continuous_usage, model or self.config.default_model,
                         int(time.time()), prefix)
         span, metadata = (self._span(scope, kind, model or self.config.default_model or "default")
-                          if scope is not None else (None, ()))
+                          if scope is not None else (trace.INVALID_SPAN, ()))
         try:
             await self.exchanges.answer(
                 lambda: self.client.resume(prefix + request_id, after, timeout=self._timeout(), metadata=metadata),
                 answer, receive, send)
         finally:
-            if span is not None:
-                span.end()
+            span.end()
 
-    def _span(self, scope: Scope, kind: Kind, model: str) -> tuple[trace.Span | None, tuple[tuple[str, str], ...]]:
+    def _span(self, scope: Scope, kind: Kind, model: str) -> tuple[trace.Span, tuple[tuple[str, str], ...]]:
         """The request's span and the metadata that makes it the router's parent.
 
         The span is the child of the caller's W3C traceparent; with tracing off
-        the caller's own trace headers go on to the router as they are.
+        it is the no-op tracer's, which carries the caller's trace context on
+        to the router.
         """
         carrier = {name: value.decode("latin-1") for name in ("traceparent", "tracestate")
                    if (value := header(scope, name.encode())) is not None}
-        if self.tracer is None:
-            return None, tuple(carrier.items())
         name = operation(kind == "chat")
         span = self.tracer.start_span(f"{name} {model}", context=from_mapping(carrier), kind=trace.SpanKind.SERVER,
                                       attributes={"gen_ai.operation.name": name, "gen_ai.request.model": model,

@@ -35,7 +35,7 @@ def _add_addr(parser: argparse.ArgumentParser, several: bool = False) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:  # long: an argparse table, a subcommand or flag per line
     """The full argument parser (also used to document the configuration)."""
     from tokenmesh.bench.command import add_arguments as add_bench_arguments
     from tokenmesh.prober import ProberConfig

@@ -19,17 +19,21 @@ from opentelemetry import trace
 FORMATS = ("text", "json")
 
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("tokenmesh_request_id", default="")
-SPAN: contextvars.ContextVar[trace.Span | None] = contextvars.ContextVar("tokenmesh_span", default=None)
+SPAN_CONTEXT: contextvars.ContextVar[trace.SpanContext] = contextvars.ContextVar(
+    "tokenmesh_span_context", default=trace.INVALID_SPAN_CONTEXT)
 
 
-def about(request_id: str, span: trace.Span | None = None) -> None:
-    """From here on, this task's log lines are about request_id (and span).
+def about(request_id: str, span: trace.Span = trace.INVALID_SPAN) -> None:
+    """From here on, this task's log lines are about request_id (and span, when it records).
 
     Every gRPC call runs in a task of its own, which has its own copy of the
-    context variables: nothing to reset, and no other call is affected.
+    context variables: nothing to reset, and no other call is affected. A
+    span that does not record (tracing off: the no-op tracer's, which carries
+    the caller's context) gives the lines no ids: they would name a span that
+    no collector holds.
     """
     REQUEST_ID.set(request_id)
-    SPAN.set(span)
+    SPAN_CONTEXT.set(span.get_span_context() if span.is_recording() else trace.INVALID_SPAN_CONTEXT)
 
 
 class CallContext(logging.Filter):
@@ -38,10 +42,9 @@ class CallContext(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         """Add the ids; never drops a record."""
         record.request_id = REQUEST_ID.get()
-        span = SPAN.get()
-        context = span.get_span_context() if span is not None else None
-        record.trace_id = format(context.trace_id, "032x") if context is not None else ""
-        record.span_id = format(context.span_id, "016x") if context is not None else ""
+        context = SPAN_CONTEXT.get()
+        record.trace_id = format(context.trace_id, "032x") if context.is_valid else ""
+        record.span_id = format(context.span_id, "016x") if context.is_valid else ""
         return True
 
 

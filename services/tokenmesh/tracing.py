@@ -12,7 +12,9 @@ Tracing is on when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set and ``OTEL_TRACES_EXPORTER`` is
 not ``none``; spans go out over OTLP/gRPC in batches (``OTEL_BSP_*``), from a
 provider of the service's own (``OTEL_SERVICE_NAME``, default
-``tokenmesh-<service>``), so the hot path does no tracing work when it is off.
+``tokenmesh-<service>``). Off, the tracer is OpenTelemetry's no-op one: its
+spans record nothing, cost next to nothing, and carry the caller's trace
+context on, so code that traces never asks whether tracing is on.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def enabled_by_environment() -> bool:
 
 
 class Tracing:
-    """A service's tracer (None while tracing is off) and its provider, flushed and shut down with the service.
+    """A service's tracer (the no-op one while tracing is off) and its provider, flushed and shut down with it.
 
     Args:
         service: the service's name (``router``, ``worker``, ``prober``, ``gateway``).
@@ -48,11 +50,12 @@ class Tracing:
 
     """
 
-    tracer: trace.Tracer | None
+    tracer: trace.Tracer
+    """Starts the service's spans; a :class:`~opentelemetry.trace.NoOpTracer` while tracing is off."""
     _provider: Any
 
     def __init__(self, service: str, enabled: bool | None = None) -> None:
-        self.tracer = None
+        self.tracer = trace.NoOpTracer()
         self._provider = None
         if not (enabled_by_environment() if enabled is None else enabled):
             return
@@ -73,7 +76,7 @@ class Tracing:
         if self._provider is not None:
             self._provider.shutdown()
             self._provider = None
-            self.tracer = None
+            self.tracer = trace.NoOpTracer()
 
     def flush(self) -> None:
         """Export every finished span now."""

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenmesh.bench import metrics, prompts
@@ -14,7 +15,7 @@ from tokenmesh.bench.prompts import Prompt
 
 if TYPE_CHECKING:
     from tokenmesh.bench.runner import Load
-    from tokenmesh.bench.targets import Target
+    from tokenmesh.bench.targets import MeshTarget, Target
 
 
 class BenchError(Exception):
@@ -130,9 +131,8 @@ async def _measure(target: Target, measured: Sequence[Prompt], load: Load, progr
 async def run(args: argparse.Namespace) -> int:
     """The bench command; BenchError for anything the caller must change."""
     # Imported here: the client libraries are not needed to build the CLI's parser.
-    from tokenmesh.bench import report
-    from tokenmesh.bench.runner import Load, drive
-    from tokenmesh.bench.targets import MeshTarget, OpenAITarget, TargetError, TritonTarget
+    from tokenmesh.bench.runner import Load
+    from tokenmesh.bench.targets import MeshTarget, TargetError
 
     slo = _check(args)
     workload = _prompt_set(args)
@@ -144,43 +144,8 @@ async def run(args: argparse.Namespace) -> int:
     mesh = MeshTarget(args.addr, args.model, ignore_eos=not args.allow_eos, seed=args.seed)
     targets: list[Target] = []
     try:
-        if args.target == "mesh":
-            await mesh.open()
-            targets.append(mesh)
-        if args.target == "openai":
-            endpoint = OpenAITarget(args.url, args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY", ""),
-                                    ignore_eos=not args.allow_eos, seed=args.seed)
-            targets.append(endpoint)
-            await endpoint.open()
-        if args.target == "triton" or args.compare:
-            urls = [u.strip() for u in args.triton_url.split(",") if u.strip()] or await mesh.triton_endpoints()
-            triton = TritonTarget(urls, args.model or mesh.model, ignore_eos=not args.allow_eos, seed=args.seed)
-            await triton.open()
-            targets.append(triton)
-        runs: dict[str, list[RequestResult]] = {t.name: [] for t in targets}
-        blocks: dict[str, list[list[RequestResult]]] = {t.name: [] for t in targets}
-        # Seconds each target was measured: with --compare, its own blocks only.
-        busy: dict[str, float] = {t.name: 0.0 for t in targets}
-        for target in targets:
-            if warmup:
-                await drive(target, [p.tagged(target.name) for p in warmup], Load(concurrency=args.concurrency))
-        total = None if args.duration else len(measured)
-        if args.compare:
-            # Blocks alternate which target goes first (ABBA...), so neither gains from running second;
-            # each target's copy of a prompt is tagged so neither finds the other's KV cache warm.
-            size = -(-len(measured) // args.blocks)
-            for block in range(args.blocks):
-                part = measured[block * size:(block + 1) * size]
-                for target in (targets if block % 2 == 0 else targets[::-1]):
-                    tagged = [p.tagged(target.name) for p in part]
-                    block_results = await _measure(target, tagged, load, args.progress, len(part))
-                    runs[target.name] += block_results
-                    blocks[target.name].append(block_results)
-                    busy[target.name] += metrics.span(block_results)
-        else:
-            target = targets[0]
-            runs[target.name] = await _measure(target, measured, load, args.progress, total)
-            busy[target.name] = metrics.span(runs[target.name])
+        await _open_targets(args, mesh, targets)
+        measurement = await _measure_targets(args, targets, warmup, measured, load)
     except TargetError as exc:
         raise BenchError(str(exc)) from None
     finally:
@@ -188,19 +153,87 @@ async def run(args: argparse.Namespace) -> int:
             await target.close()
         if mesh not in targets:
             await mesh.close()
+    _report(args, slo, measurement)
+    return 0
 
-    summaries = {name: metrics.summarize(results, slo, busy[name]) for name, results in runs.items()}
+
+async def _open_targets(args: argparse.Namespace, mesh: MeshTarget, targets: list[Target]) -> None:
+    """Open the targets the arguments name, adding each to targets (which the caller closes, also on failure)."""
+    from tokenmesh.bench.targets import OpenAITarget, TritonTarget
+
+    if args.target == "mesh":
+        await mesh.open()
+        targets.append(mesh)
+    if args.target == "openai":
+        endpoint = OpenAITarget(args.url, args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY", ""),
+                                ignore_eos=not args.allow_eos, seed=args.seed)
+        targets.append(endpoint)
+        await endpoint.open()
+    if args.target == "triton" or args.compare:
+        urls = [u.strip() for u in args.triton_url.split(",") if u.strip()] or await mesh.triton_endpoints()
+        triton = TritonTarget(urls, args.model or mesh.model, ignore_eos=not args.allow_eos, seed=args.seed)
+        await triton.open()
+        targets.append(triton)
+
+
+@dataclass
+class _Measurement:
+    """What the bench measured, by target name."""
+
+    runs: dict[str, list[RequestResult]]
+    """Every measured request's result."""
+    blocks: dict[str, list[list[RequestResult]]]
+    """The results block by block (--compare)."""
+    busy: dict[str, float]
+    """Seconds each target was measured: with --compare, its own blocks only."""
+
+
+async def _measure_targets(args: argparse.Namespace, targets: list[Target], warmup: Sequence[Prompt],
+                           measured: Sequence[Prompt], load: Load) -> _Measurement:
+    """Warm each target up, then measure it (with --compare, in blocks that alternate which target goes first)."""
+    from tokenmesh.bench.runner import Load, drive
+
+    done = _Measurement({t.name: [] for t in targets}, {t.name: [] for t in targets}, {t.name: 0.0 for t in targets})
+    for target in targets:
+        if warmup:
+            await drive(target, [p.tagged(target.name) for p in warmup], Load(concurrency=args.concurrency))
+    if not args.compare:
+        target = targets[0]
+        done.runs[target.name] = await _measure(target, measured, load, args.progress,
+                                                None if args.duration else len(measured))
+        done.busy[target.name] = metrics.span(done.runs[target.name])
+        return done
+    # Blocks alternate which target goes first (ABBA...), so neither gains from running second;
+    # each target's copy of a prompt is tagged so neither finds the other's KV cache warm.
+    size = -(-len(measured) // args.blocks)
+    for block in range(args.blocks):
+        part = measured[block * size:(block + 1) * size]
+        for target in (targets if block % 2 == 0 else targets[::-1]):
+            tagged = [p.tagged(target.name) for p in part]
+            block_results = await _measure(target, tagged, load, args.progress, len(part))
+            done.runs[target.name] += block_results
+            done.blocks[target.name].append(block_results)
+            done.busy[target.name] += metrics.span(block_results)
+    return done
+
+
+def _report(args: argparse.Namespace, slo: dict[str, float], measurement: _Measurement) -> None:
+    """Print each target's table (and, with --compare, the ratios); write the JSON and the plot when asked."""
+    from tokenmesh.bench import report
+
+    summaries = {name: metrics.summarize(results, slo, measurement.busy[name])
+                 for name, results in measurement.runs.items()}
     for name, summary in summaries.items():
         print(report.table(name, summary))
     document: dict[str, Any] = {"summaries": summaries, "arguments": {
         k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | None)}}
     if args.compare:
-        ratios = report.ratios(summaries["mesh"], summaries["triton"], blocks["mesh"], blocks["triton"])
+        ratios = report.ratios(summaries["mesh"], summaries["triton"], measurement.blocks["mesh"],
+                               measurement.blocks["triton"])
         print(report.ratio_table(ratios))
         document["mesh_over_direct"] = ratios
     if args.json:
         report.write_json(args.json, document)
     if args.plot:
-        report.plot(args.plot, runs)
+        report.plot(args.plot, measurement.runs)
     sys.stdout.flush()
-    return 0

@@ -138,21 +138,26 @@ class MeshTarget(Target):
                     result.chunk_times.append(now)
                     result.chunk_tokens.append(chunk.token_count)
                 if chunk.finish_reason:
-                    result.output_tokens = chunk.usage.completion_tokens
-                    result.ended = now
-                    if chunk.timing.HasField("engine_ttft_ms"):
-                        result.engine_ttft = chunk.timing.engine_ttft_ms / 1000
-                    if chunk.timing.HasField("router_ttft_ms"):
-                        result.router_ttft = chunk.timing.router_ttft_ms / 1000
-                    if chunk.timing.HasField("queue_ms"):
-                        result.queued = chunk.timing.queue_ms / 1000
-                    if chunk.finish_reason == inference_pb2.FINISH_REASON_ERROR:
-                        result.error = "FINISH_REASON_ERROR"
+                    _final(chunk, result, now)
             if result.ended is None:
                 result.error, result.ended = "NO_FINAL_CHUNK", time.monotonic()
         except MeshError as exc:
             result.error = exc.grpc_code.name
             result.ended = time.monotonic()
+
+
+def _final(chunk: inference_pb2.GenerateChunk, result: RequestResult, now: float) -> None:
+    """What the final chunk says: the tokens, where the time to the first token went, an error end."""
+    result.output_tokens = chunk.usage.completion_tokens
+    result.ended = now
+    if chunk.timing.HasField("engine_ttft_ms"):
+        result.engine_ttft = chunk.timing.engine_ttft_ms / 1000
+    if chunk.timing.HasField("router_ttft_ms"):
+        result.router_ttft = chunk.timing.router_ttft_ms / 1000
+    if chunk.timing.HasField("queue_ms"):
+        result.queued = chunk.timing.queue_ms / 1000
+    if chunk.finish_reason == inference_pb2.FINISH_REASON_ERROR:
+        result.error = "FINISH_REASON_ERROR"
 
 
 def _bytes_input(name: str, value: str) -> InferInput:

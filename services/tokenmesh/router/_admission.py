@@ -128,33 +128,36 @@ class Admission:
             )
         waiter = Waiter(model, key, level, tenant, now, next(self._order))
         self.waiting.append(waiter)
-        wait = self.queue_timeout_s if timeout_s is None else timeout_s
+        try:
+            return await self._wait(waiter, self.queue_timeout_s if timeout_s is None else timeout_s, abandon)
+        finally:
+            if waiter in self.waiting:
+                self.waiting.remove(waiter)
+
+    async def _wait(self, waiter: Waiter, wait: float, abandon: asyncio.Future[None] | None) -> WorkerEntry:
+        """The slot granted to a queued waiter within wait seconds; Cancelled once abandon is done."""
         try:
             await asyncio.wait((waiter.granted,) if abandon is None else (waiter.granted, abandon), timeout=wait,
                                return_when=asyncio.FIRST_COMPLETED)
             if abandon is not None and abandon.done():
                 if waiter.granted.done():  # granted in the same turn: give the slot to the next waiter
-                    self.release(waiter.granted.result(), tenant)
+                    self.release(waiter.granted.result(), waiter.tenant)
                 raise Cancelled("cancelled while waiting for a worker slot")
             if not waiter.granted.done():
                 hint = self._retry_hint_ms()
                 raise ResourceExhausted(
-                    f"no worker slot for {model!r} within {wait:g} s ({len(self.waiting)} waiting); "
+                    f"no worker slot for {waiter.model!r} within {wait:g} s ({len(self.waiting)} waiting); "
                     f"retry in about {hint} ms",
-                    reason="QUEUE_TIMEOUT", metadata={"model": model, "waited_s": f"{wait:g}"},
+                    reason="QUEUE_TIMEOUT", metadata={"model": waiter.model, "waited_s": f"{wait:g}"},
                     retry_delay=hint / 1000,
                 )
-            entry = waiter.granted.result()
+            return waiter.granted.result()
         except (Cancelled, ResourceExhausted):
             raise
         except BaseException:
             if waiter.granted.done() and not waiter.granted.cancelled():
-                self.release(waiter.granted.result(), tenant)  # granted, but the caller is gone
+                self.release(waiter.granted.result(), waiter.tenant)  # granted, but the caller is gone
             raise
-        finally:
-            if waiter in self.waiting:
-                self.waiting.remove(waiter)
-        return entry
 
     def _grant(self, entry: WorkerEntry, tenant: str) -> WorkerEntry:
         entry.in_flight += 1

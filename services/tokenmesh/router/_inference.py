@@ -17,32 +17,30 @@ from typing import Any
 
 import grpc
 from opentelemetry import trace
-from opentelemetry.trace import StatusCode
 
 from tokenmesh import logs
 from tokenmesh.errors import (
-    CALLER_ERROR_CLASSES,
     AlreadyExists,
     Cancelled,
     MeshError,
     NotFound,
     ResourceExhausted,
     Unavailable,
-    from_generation_error,
     from_rpc_error,
     label,
 )
-from tokenmesh.redaction import StreamRedactor, capture_enabled, redact
+from tokenmesh.redaction import capture_enabled
 from tokenmesh.retry import write
 from tokenmesh.router._admission import FAILOVER, Admission, level
 from tokenmesh.router._cancels import WorkerCancels
 from tokenmesh.router._config import RouterConfig
 from tokenmesh.router._metrics import RouterMetrics
+from tokenmesh.router._observe import Observation, generation_span
+from tokenmesh.router._outcome import WorkerFailed, outcome
 from tokenmesh.router._pool import WorkerEntry, WorkerPool, prefix_key
-from tokenmesh.router._relay import CALLER_CODES, Live, Progress, Relay, WorkerFailed, chunk, continuation
+from tokenmesh.router._relay import Live, Progress, Relay, chunk, continuation, start_command
 from tokenmesh.router._spares import Spares
 from tokenmesh.router._validation import validate
-from tokenmesh.tracing import from_metadata, inject, operation
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tokenmesh.validation import require_request_id
 
@@ -52,27 +50,6 @@ CANCEL_TIMEOUT_S = 5.0
 """Longest a Cancel that goes to the workers waits for their answers (less when the caller's deadline is nearer)."""
 TEARDOWN_WAIT_S = 2.0
 """How long Resume waits for this router's old stream of the same request_id to be torn down."""
-
-
-def _trace_chunk(span: trace.Span, piece: inference_pb2.GenerateChunk, output: list[str] | None,
-                 redactor: StreamRedactor | None) -> None:
-    """Record a chunk on the generation's span.
-
-    The first chunk as an event, the end's usage and finish reason as
-    attributes; with content capture, the output (redacted as it streams) as
-    an event at the end.
-    """
-    if piece.seq == 1:
-        span.add_event("gen_ai.first_token")
-    if redactor is not None and output is not None:
-        output.append(redactor.feed(piece.text))
-        if piece.finish_reason:
-            span.add_event("gen_ai.choice", {"gen_ai.completion": "".join(output) + redactor.flush()})
-    if piece.finish_reason:
-        reason = label(piece.finish_reason, inference_pb2.FinishReason)
-        span.set_attribute("gen_ai.response.finish_reasons", [reason])
-        span.set_attribute("gen_ai.usage.input_tokens", piece.usage.prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", piece.usage.completion_tokens)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -100,8 +77,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     _stubs: dict[str, worker_pb2_grpc.WorkerStub]
     _relay: Relay
     metrics: RouterMetrics
-    tracer: trace.Tracer | None
-    """Spans per generation (None: tracing off)."""
+    tracer: trace.Tracer
+    """Spans per generation (OpenTelemetry's no-op tracer while tracing is off)."""
     capture_content: bool
     """Prompts and outputs go into spans, redacted (OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT)."""
 
@@ -114,7 +91,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         metrics: RouterMetrics,
     ) -> None:
         self.metrics = metrics
-        self.tracer = None
+        self.tracer = trace.NoOpTracer()
         self.capture_content = capture_enabled()
         self._config = config
         self._pool = pool
@@ -132,6 +109,55 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         """Admit, pick a worker, relay its chunks with seq 1..N; fail over when a worker fails."""
+        base = self._admit(request)
+        request_id = base.request_id
+        tenant = request.labels.get("tenant", "")
+        key = prefix_key(request)
+        observe = self._observe(base, tenant, bool(key), context)
+        live = self._begin(request_id)
+        progress = Progress()
+        attempts = 0
+        try:
+            while True:
+                forward = continuation(base, progress)
+                if forward is None:
+                    # Every requested token reached the caller; only the end was lost.
+                    yield self._final_here(base, progress, inference_pb2.FINISH_REASON_LENGTH, observe)
+                    return
+                try:
+                    entry = await self._slot(base, tenant, key, context, live, observe, progress, attempts)
+                except Cancelled:
+                    # Cancelled before a worker took it (queued, or between two workers): it ends
+                    # as a cancelled generation on a worker does, with a final CANCELLED chunk.
+                    yield self._final_here(base, progress, inference_pb2.FINISH_REASON_CANCELLED, observe)
+                    return
+                attempts += 1
+                try:
+                    start = start_command(forward, progress, context, resumable=bool(request.request_id),
+                                          trace_context=observe.trace_context)
+                    relay = self._relay.run(entry, start, live, progress)
+                    observe.attempt(entry.address)
+                    async with contextlib.aclosing(relay):
+                        async for piece in relay:
+                            observe.chunk(piece, entry.address)
+                            yield piece
+                    return
+                except WorkerFailed as failure:
+                    self._fail_over(entry, failure, request_id, progress, attempts, observe)
+                finally:
+                    self._admission.release(entry, tenant)
+        except MeshError as error:
+            observe.failed(error, progress.seq > 0)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            observe.caller_gone(progress.seq > 0)
+            raise
+        finally:
+            self._end(request_id)
+            observe.end(progress.timing.queue_ms, progress.migrations)
+
+    def _admit(self, request: inference_pb2.GenerateRequest) -> inference_pb2.GenerateRequest:
+        """The request as the router runs it (its request_id, model and max_tokens set), or the caller's error."""
         try:
             self._refuse_if_draining()
             model = validate(request, self._pool, self._config.max_prompt_bytes)
@@ -148,118 +174,68 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         base.model = model.name
         if not request.HasField("max_tokens"):
             base.max_tokens = min(self._config.default_max_tokens, model.max_context)
-        live = self._begin(request_id)
-        progress = Progress()
-        attempts = 0
-        tenant = request.labels.get("tenant", "")
-        key = prefix_key(request)
-        track = self.metrics.generation(model.name, tenant)
-        span = None if self.tracer is None else self._span(base, context, bool(key))
-        redactor: StreamRedactor | None = None
-        output: list[str] | None = None
-        if span is not None and self.capture_content:
-            redactor, output = StreamRedactor(), []
-        logs.about(request_id, span)
-        try:
-            while True:
-                forward = continuation(base, progress)
-                if forward is None:
-                    # Every requested token reached the caller; only the end was lost.
-                    final = _final(request_id, model.name, progress, inference_pb2.FINISH_REASON_LENGTH)
-                    track.chunk(final, "")
-                    yield final
-                    return
-                # Workers that just failed are avoided (suspended) for a while. The
-                # first attempt fails fast when no worker is live at all and
-                # queues when all are busy; a failover waits, ahead of the queue.
-                waited = time.monotonic()
-                try:
-                    entry = await self._acquire(model.name, request, tenant, key, context, live.cancelled,
-                                                failover=attempts > 0)
-                except Cancelled:
-                    # Cancelled before a worker took it (queued, or between two workers): it ends
-                    # as a cancelled generation on a worker does, with a final CANCELLED chunk.
-                    final = _final(request_id, model.name, progress, inference_pb2.FINISH_REASON_CANCELLED)
-                    track.chunk(final, "")
-                    yield final
-                    return
-                if attempts == 0:
-                    queued_s = time.monotonic() - waited
-                    progress.timing.queue_ms = queued_s * 1000
-                    track.queued(queued_s, request.priority)
-                attempts += 1
-                try:
-                    relay = self._relay.run(entry, forward, live, context, progress,
-                                            resumable=bool(request.request_id),
-                                            trace_context=None if span is None else inject(span))
-                    if span is not None:
-                        span.set_attribute("tokenmesh.worker", entry.address)
-                    async with contextlib.aclosing(relay):
-                        async for piece in relay:
-                            track.chunk(piece, entry.address)
-                            if span is not None:
-                                _trace_chunk(span, piece, output, redactor)
-                            yield piece
-                    return
-                except WorkerFailed as failure:
-                    self._pool.suspend(entry, self._config.stall_timeout_s, str(failure))
-                    if span is not None:
-                        span.add_event("tokenmesh.worker_failed", {"tokenmesh.worker": entry.address,
-                                                                   "tokenmesh.failure": failure.kind,
-                                                                   "tokenmesh.after_seq": progress.seq})
-                    track.worker_failed(entry.address, failure.kind, migrated=0 < progress.seq
-                                        and attempts <= self._config.max_migrations)
-                    if attempts > self._config.max_migrations:
-                        raise Unavailable(
-                            f"generation {request_id} failed on {attempts} workers; last: {failure}"
-                        ) from failure
-                    if progress.seq == 0:
-                        # Nothing reached the caller yet: simply run it elsewhere.
-                        log.warning("worker %s could not start %s: %s", entry.address, request_id, failure)
-                        continue
-                    progress.migrations += 1
-                    log.warning(
-                        "worker %s failed %s after seq %d (%s); continuing on another worker",
-                        entry.address, request_id, progress.seq, failure,
-                    )
-                finally:
-                    self._admission.release(entry, tenant)
-        except MeshError as error:
-            track.failed(label(error.grpc_code), progress.seq > 0)
-            if span is not None:
-                span.set_attribute("error.type", error.grpc_code.name)
-                span.set_status(StatusCode.ERROR, error.message)
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            if not track.finished:
-                track.failed("caller_gone", progress.seq > 0)
-                if span is not None:  # recorded as what it was, not as OK
-                    span.set_attribute("tokenmesh.outcome", "caller_gone")
-                    span.set_status(StatusCode.ERROR, "the caller went away before the end")
-            raise
-        finally:
-            self._end(request_id)
-            if span is not None:
-                span.set_attribute("tokenmesh.queue_ms", progress.timing.queue_ms)
-                span.set_attribute("tokenmesh.migrations", progress.migrations)
-                span.end()
+        return base
 
-    def _span(self, base: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any],
-              prefixed: bool) -> trace.Span:
-        """The generation's span, child of the caller's trace context (GenAI semantic conventions)."""
-        assert self.tracer is not None
-        name = operation(bool(base.messages))
-        span = self.tracer.start_span(
-            f"{name} {base.model}", context=from_metadata(context.invocation_metadata()), kind=trace.SpanKind.SERVER,
-            attributes={
-                "gen_ai.operation.name": name, "gen_ai.system": "tokenmesh", "gen_ai.request.model": base.model,
-                "gen_ai.request.max_tokens": base.max_tokens, "gen_ai.response.id": base.request_id,
-                "tokenmesh.policy": self._config.policy, "tokenmesh.prefix_affinity": prefixed,
-            })
-        if self.capture_content:  # opted in: the prompt, redacted
-            prompt = base.prompt or "\n".join(f"{m.role}: {m.content}" for m in base.messages)
-            span.add_event("gen_ai.user.message", {"gen_ai.prompt": redact(prompt)})
-        return span
+    def _observe(self, base: inference_pb2.GenerateRequest, tenant: str, prefixed: bool,
+                 context: grpc.aio.ServicerContext[Any, Any]) -> Observation:
+        """The generation's observer (metrics and span); from here on this task's log lines are about it."""
+        span = generation_span(self.tracer, base, context.invocation_metadata(), policy=self._config.policy,
+                               prefixed=prefixed, capture_content=self.capture_content)
+        logs.about(base.request_id, span)
+        return Observation(self.metrics.generation(base.model, tenant), span, capture_content=self.capture_content)
+
+    async def _slot(
+        self,
+        base: inference_pb2.GenerateRequest,
+        tenant: str,
+        key: str,
+        context: grpc.aio.ServicerContext[Any, Any],
+        live: Live,
+        observe: Observation,
+        progress: Progress,
+        attempts: int,
+    ) -> WorkerEntry:
+        """A worker slot for the next attempt (Cancelled once the generation is cancelled while it waits).
+
+        Workers that just failed are avoided (suspended) for a while. The first
+        attempt fails fast when no worker is live at all and queues when all
+        are busy; a failover waits, ahead of the queue.
+        """
+        waited = time.monotonic()
+        entry = await self._acquire(base.model, base, tenant, key, context, live.cancelled, failover=attempts > 0)
+        if attempts == 0:
+            queued_s = time.monotonic() - waited
+            progress.timing.queue_ms = queued_s * 1000
+            observe.queued(queued_s, base.priority)
+        return entry
+
+    def _fail_over(self, entry: WorkerEntry, failure: WorkerFailed, request_id: str, progress: Progress,
+                   attempts: int, observe: Observation) -> None:
+        """Take stock of a failed attempt: the worker is avoided a while; Unavailable after too many attempts."""
+        self._pool.suspend(entry, self._config.stall_timeout_s, str(failure))
+        observe.worker_failed(entry.address, failure, progress.seq,
+                              migrated=0 < progress.seq and attempts <= self._config.max_migrations)
+        if attempts > self._config.max_migrations:
+            raise Unavailable(f"generation {request_id} failed on {attempts} workers; last: {failure}") from failure
+        if progress.seq == 0:
+            # Nothing reached the caller yet: simply run it elsewhere.
+            log.warning("worker %s could not start %s: %s", entry.address, request_id, failure)
+            return
+        progress.migrations += 1
+        log.warning("worker %s failed %s after seq %d (%s); continuing on another worker",
+                    entry.address, request_id, progress.seq, failure)
+
+    @staticmethod
+    def _final_here(base: inference_pb2.GenerateRequest, progress: Progress, reason: inference_pb2.FinishReason,
+                    observe: Observation) -> inference_pb2.GenerateChunk:
+        """The last chunk of a generation the router ends itself (no worker sent an end), counted."""
+        final = inference_pb2.GenerateChunk(
+            request_id=base.request_id, seq=progress.seq + 1, model=base.model, finish_reason=reason,
+            usage=inference_pb2.Usage(completion_tokens=progress.tokens),
+            migrations=progress.migrations, timing=progress.timing,
+        )
+        observe.ended_here(final)
+        return final
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
@@ -343,25 +319,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         raise from_rpc_error(exc) from exc
                     continue  # not there (NOT_FOUND) or not reachable: ask the next worker
                 try:
-                    while event is not grpc.aio.EOF:
-                        if event.WhichOneof("event") == "error":
-                            if event.error.error_class in CALLER_ERROR_CLASSES:
-                                raise from_generation_error(event.error, entry.address)
-                            raise Unavailable(f"generation {request_id} failed on its worker: {event.error.message}")
+                    while event is not grpc.aio.EOF and event.WhichOneof("event") != "error":
                         yield chunk(event, request_id, "")
                         if event.WhichOneof("event") == "end":
                             return
                         event = await call.read()
+                    ended = None if event is grpc.aio.EOF else event.error
+                    failure = outcome(ended, entry.address, received=True)
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() in CALLER_CODES or exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise from_rpc_error(exc) from exc  # e.g. this caller reads too slowly
-                    raise Unavailable(
-                        f"worker {entry.address} holding {request_id} failed during Resume ({exc.code().name}); "
-                        "a resumed stream is not moved to another worker"
-                    ) from exc
+                    failure = outcome(exc, entry.address, received=True)
                 finally:
                     call.cancel()
-                raise Unavailable(f"worker {entry.address} ended {request_id} without an end")
+                raise _not_moved(failure, entry.address, request_id)
             raise NotFound(
                 f"no worker holds generation {request_id!r}: unknown id, cancelled, or finished "
                 "longer ago than the resume grace period"
@@ -418,12 +387,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return response
 
 
-def _final(
-    request_id: str, model: str, progress: Progress, reason: inference_pb2.FinishReason
-) -> inference_pb2.GenerateChunk:
-    """The last chunk of a generation the router ends itself (no worker sent an end)."""
-    return inference_pb2.GenerateChunk(
-        request_id=request_id, seq=progress.seq + 1, model=model, finish_reason=reason,
-        usage=inference_pb2.Usage(completion_tokens=progress.tokens),
-        migrations=progress.migrations, timing=progress.timing,
-    )
+def _not_moved(failure: WorkerFailed | MeshError, worker: str, request_id: str) -> MeshError:
+    """A Resume's error for how its attempt ended: a worker failure is reported, not failed over."""
+    if isinstance(failure, MeshError):
+        return failure
+    error = Unavailable(f"worker {worker} holding {request_id} failed during Resume ({failure}); "
+                        "a resumed stream is not moved to another worker")
+    error.__cause__ = failure
+    return error

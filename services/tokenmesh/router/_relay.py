@@ -14,20 +14,13 @@ from typing import Any
 
 import grpc
 
-from tokenmesh.errors import CALLER_ERROR_CLASSES, from_generation_error, from_rpc_error, label
 from tokenmesh.retry import write
 from tokenmesh.router._cancels import WorkerCancels
 from tokenmesh.router._config import RouterConfig
+from tokenmesh.router._outcome import WorkerFailed, outcome
 from tokenmesh.router._pool import WorkerEntry
 from tokenmesh.router._spares import Spares
 from tokenmesh.v1 import inference_pb2, worker_pb2
-
-CALLER_CODES = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED,
-})
-"""A worker's statuses that are about the request, not the worker: the caller gets them as they are, and the
-stream is not moved to another worker (any other status says the worker failed). RESOURCE_EXHAUSTED joins them
-once the worker has sent an event: then it says the caller reads too slowly (see :meth:`Relay.run`)."""
 
 
 class Live:
@@ -58,23 +51,6 @@ class Live:
             self.cancelled.set_result(None)
 
 
-class WorkerFailed(Exception):
-    """The worker could not run the generation; another worker may.
-
-    Args:
-        message: what happened, for logs and the caller's error.
-        kind: which failure, from a small fixed set (a metric label): ``closed``, ``seq_gap``, ``stall``, a
-            status code's name (``unavailable``...) or the worker's error class (``backend``, ``out_of_memory``...).
-
-    """
-
-    kind: str
-
-    def __init__(self, message: str, kind: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
 @dataclass
 class Progress:
     """What of a generation has reached the caller (survives failover)."""
@@ -91,11 +67,6 @@ class Progress:
     """When the router received the request."""
     timing: inference_pb2.Timing = field(default_factory=inference_pb2.Timing)
     """Where the time to the first token went (sent on the final chunk)."""
-
-
-def error_kind(error_class: worker_pb2.ErrorClass) -> str:
-    """A worker error class as a metric label: ERROR_CLASS_OUT_OF_MEMORY -> out_of_memory."""
-    return label(error_class, worker_pb2.ErrorClass)
 
 
 def continuation(base: inference_pb2.GenerateRequest, progress: Progress) -> inference_pb2.GenerateRequest | None:
@@ -224,18 +195,9 @@ class Relay:
         self._spares = spares
         self._cancels = cancels
 
-    async def run(
-        self,
-        entry: WorkerEntry,
-        forward: inference_pb2.GenerateRequest,
-        live: Live,
-        context: grpc.aio.ServicerContext[Any, Any],
-        progress: Progress,
-        *,
-        resumable: bool,
-        trace_context: dict[str, str] | None = None,
-    ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
-        """Run forward on entry's worker, its chunks numbered after progress.seq.
+    async def run(self, entry: WorkerEntry, start: worker_pb2.WorkerCommand, live: Live,
+                  progress: Progress) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
+        """Run start (see :func:`start_command`) on entry's worker, its chunks numbered after progress.seq.
 
         Raises WorkerFailed when the worker is at fault (it died, stalled, or
         reported a backend failure), so the caller's stream can continue
@@ -243,44 +205,28 @@ class Relay:
         with a caller-chosen request_id) the worker keeps it for Resume;
         otherwise the worker is told to stop.
         """
+        forward = start.start
         call = self._spares.take(entry.address)
         live.call = call
         watchdog = StallWatchdog(call, self._ttft_timeout_s, self._stall_timeout_s)
-        received = False
-        finished = False
-        detach = False
-        start = worker_pb2.WorkerCommand(
-            start=forward, first_seq=progress.seq + 1, tokens_before=progress.tokens, resumable=resumable
-        )
-        remaining = context.time_remaining()
-        if remaining is not None:
-            start.timeout_s = remaining
-        if trace_context:
-            start.trace_context.update(trace_context)
+        received = finished = detach = False
         try:
-            await write(call, start)  # a spare the worker ended meanwhile: its status, failed over
-            self._spares.open(entry.address)  # for the next generation, while this one waits for its first token
-            if live.cancelled.done():  # Cancel came while the start was on its way
-                await write(call, worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
+            await self._start(call, entry.address, live, start)
             while True:
                 watchdog.reading()
                 event = await call.read()
                 if event is grpc.aio.EOF:
-                    raise WorkerFailed("worker closed the stream without an end", "closed")
+                    raise outcome(None, entry.address, received=received)
                 watchdog.fed()
                 received = True
                 kind = event.WhichOneof("event")
                 if kind == "error":
                     finished = True
-                    if event.error.error_class in CALLER_ERROR_CLASSES:
-                        raise from_generation_error(event.error, entry.address)
-                    raise WorkerFailed(event.error.message, error_kind(event.error.error_class))
+                    raise outcome(event.error, entry.address, received=True)
                 if event.seq != progress.seq + 1:
                     raise WorkerFailed(f"worker sent seq {event.seq}, expected {progress.seq + 1}", "seq_gap")
                 if event.seq == 1:
-                    if event.chunk.HasField("engine_ttft_ms"):
-                        progress.timing.engine_ttft_ms = event.chunk.engine_ttft_ms
-                    progress.timing.router_ttft_ms = (time.monotonic() - progress.started) * 1000
+                    _first_event(progress, event)
                 progress.seq = event.seq
                 if kind == "chunk":
                     progress.text.append(event.chunk.text)
@@ -289,29 +235,74 @@ class Relay:
                     continue
                 finished = True
                 entry.served_total += 1
-                final = chunk(event, forward.request_id, forward.model)
-                final.migrations = progress.migrations
-                final.timing.CopyFrom(progress.timing)
-                yield final
+                yield _last(event, forward, progress)
                 return
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            # Before the first event RESOURCE_EXHAUSTED is the worker at its limit (run it elsewhere);
-            # mid-stream it is the caller reading too slowly (the worker's replay buffer overflowed).
-            if code in CALLER_CODES or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and received):
-                raise from_rpc_error(exc) from exc
-            raise WorkerFailed(f"{code.name}: {exc.details()}", label(code)) from exc
+            raise outcome(exc, entry.address, received=received) from exc
         except asyncio.CancelledError:
             if watchdog.stalled:
                 raise WorkerFailed(watchdog.stalled, "stall") from None
-            detach = resumable  # the caller went away
+            detach = start.resumable  # the caller went away
             raise
         except GeneratorExit:
-            detach = resumable  # the caller went away
+            detach = start.resumable  # the caller went away
             raise
         finally:
             watchdog.stop()
             live.call = None
             call.cancel()
-            if not finished and not detach:
+            if not finished and not detach:  # the worker would run it on for no one
                 self._cancels.abandon(entry.address, forward.request_id)
+
+    async def _start(self, call: grpc.aio.StreamStreamCall[Any, Any], address: str, live: Live,
+                     start: worker_pb2.WorkerCommand) -> None:
+        """Send the start command; open the next spare while this one waits for its first token."""
+        await write(call, start)  # a spare the worker ended meanwhile: its status, failed over
+        self._spares.open(address)
+        if live.cancelled.done():  # Cancel came while the start was on its way
+            await write(call, worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
+
+
+def start_command(
+    forward: inference_pb2.GenerateRequest,
+    progress: Progress,
+    context: grpc.aio.ServicerContext[Any, Any],
+    *,
+    resumable: bool,
+    trace_context: dict[str, str] | None = None,
+) -> worker_pb2.WorkerCommand:
+    """The worker's start command for an attempt: forward, numbered after progress, within the caller's deadline.
+
+    Args:
+        forward: the request to run (see :func:`continuation`).
+        progress: what reached the caller before.
+        context: the caller's call (its deadline).
+        resumable: the worker keeps the generation for Resume when the caller goes away (a caller-chosen id).
+        trace_context: the W3C headers that make the router's span the parent of the worker's.
+
+    """
+    start = worker_pb2.WorkerCommand(
+        start=forward, first_seq=progress.seq + 1, tokens_before=progress.tokens, resumable=resumable
+    )
+    remaining = context.time_remaining()
+    if remaining is not None:
+        start.timeout_s = remaining
+    if trace_context:
+        start.trace_context.update(trace_context)
+    return start
+
+
+def _first_event(progress: Progress, event: worker_pb2.WorkerEvent) -> None:
+    """Where the time to the first token went: the engine's share (when it says) and the router's."""
+    if event.chunk.HasField("engine_ttft_ms"):
+        progress.timing.engine_ttft_ms = event.chunk.engine_ttft_ms
+    progress.timing.router_ttft_ms = (time.monotonic() - progress.started) * 1000
+
+
+def _last(event: worker_pb2.WorkerEvent, forward: inference_pb2.GenerateRequest,
+          progress: Progress) -> inference_pb2.GenerateChunk:
+    """The caller's final chunk for the worker's end event: with the migrations and timing of the whole stream."""
+    final = chunk(event, forward.request_id, forward.model)
+    final.migrations = progress.migrations
+    final.timing.CopyFrom(progress.timing)
+    return final

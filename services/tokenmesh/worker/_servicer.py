@@ -40,6 +40,42 @@ def _trace_event(span: trace.Span, event: worker_pb2.WorkerEvent) -> None:
         span.set_status(StatusCode.ERROR, event.error.message)
 
 
+def _start_command(first: worker_pb2.WorkerCommand | None) -> worker_pb2.WorkerCommand:
+    """The stream's first command, which must start the generation."""
+    if first is None or first.WhichOneof("command") != "start":
+        raise InvalidArgument("the first WorkerCommand must be `start` with the GenerateRequest")
+    return first
+
+
+def generation_params(first: worker_pb2.WorkerCommand, spec: ModelSpec, time_remaining: float | None,
+                      trace_context: tuple[tuple[str, str], ...]) -> GenerationParams:
+    """The backend's parameters for a start command on spec's model.
+
+    Args:
+        first: the start command (the router's request, its deadline).
+        spec: the model it runs on.
+        time_remaining: the call's own deadline, used when the start names none.
+        trace_context: the W3C headers that make the backend's spans children of ours.
+
+    """
+    req = first.start
+    return GenerationParams(
+        model=spec.name,
+        prompt=req.prompt,
+        messages=tuple((m.role, m.content) for m in req.messages),
+        max_tokens=req.max_tokens,
+        temperature=req.temperature if req.HasField("temperature") else None,
+        top_p=req.top_p if req.HasField("top_p") else None,
+        stop=tuple(req.stop),
+        seed=req.seed if req.HasField("seed") else None,
+        ignore_eos=req.ignore_eos,
+        request_id=req.request_id,
+        timeout_s=first.timeout_s if first.HasField("timeout_s") else time_remaining,
+        labels=dict(req.labels),
+        trace_context=trace_context,
+    )
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Generate/Attach/Cancel/Stats/Describe over a :class:`Backend`.
 
@@ -69,6 +105,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Set when a generation failed in a way that says the device context is gone (the engine must restart)."""
     idle: asyncio.Event
     """Set while no generation is in flight (the drain waits for it)."""
+    tracer: trace.Tracer
+    """Spans per generation (OpenTelemetry's no-op tracer while tracing is off)."""
     _backend: Backend
     _devices: DeviceReader | None
     _cuda_visible_devices: str
@@ -86,8 +124,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._backend = backend
         self._devices = devices
         self._cuda_visible_devices = cuda_visible_devices
-        self.tracer: trace.Tracer | None = None
-        """Spans per generation (None: tracing off)."""
+        self.tracer = trace.NoOpTracer()
         self.metrics = WorkerMetrics()
         self.metrics.watch(self)
         self.registry = Registry(resume_grace_s, replay_buffer_bytes, self._settled, self._failed, self._timing)
@@ -162,13 +199,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         If this stream goes away without a cancel, the generation goes on
         (detached) for the resume grace period; ``Attach`` picks it up.
         """
-        first = await anext(aiter(request_iterator), None)
-        if first is None or first.WhichOneof("command") != "start":
-            raise InvalidArgument("the first WorkerCommand must be `start` with the GenerateRequest")
+        first = _start_command(await anext(aiter(request_iterator), None))
+        spec = self._admit(first.start)
+        span = self._span(first, spec)
+        # Triton, tracing, makes its spans children of ours (or of the router's: a no-op span carries its context).
+        params = generation_params(first, spec, context.time_remaining(), tuple(inject(span).items()))
+        logs.about(params.request_id, span)  # before the pump task starts: it copies this context
+        record = self._start(first, params)
+        watcher = asyncio.create_task(self._watch_commands(request_iterator, record))
+        span.set_attribute("tokenmesh.first_seq", record.first_seq)
+        tracing = span.is_recording()  # asked once: with tracing off, an event costs no tracing work
+        try:
+            async for event in record.stream(record.first_seq - 1):
+                if tracing:
+                    _trace_event(span, event)
+                yield event
+        finally:
+            span.end()
+            watcher.cancel()
+            self._release(record, resumable=first.resumable)
+
+    def _admit(self, req: inference_pb2.GenerateRequest) -> ModelSpec:
+        """The model a started request runs on, or why this worker does not take it now."""
         if not self.serving:
             raise Unavailable("worker is not serving (starting, draining, or its Triton is down)",
                               reason="WORKER_NOT_SERVING")
-        req = first.start
         if not req.request_id:
             raise InvalidArgument("start.request_id is required (the router assigns one)")
         # The router checked these already; a caller of this internal RPC may not have.
@@ -186,61 +241,41 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"model {spec.name!r} takes a prompt only: its Triton model declares no "
                                   "`messages` input (as the stock vLLM backend); send `prompt` with the chat "
                                   "template applied")
-        span = None
-        if self.tracer is not None:
-            span = self.tracer.start_span(
-                f"generate {spec.name}", context=from_mapping(first.trace_context), kind=trace.SpanKind.SERVER,
-                attributes={"gen_ai.request.model": spec.name, "gen_ai.response.id": req.request_id,
-                            "tokenmesh.tokens_before": first.tokens_before,
-                            "tokenmesh.triton_url": self._backend.endpoint})
-        # Triton, tracing, makes its spans children of ours (or of the router's, when we do not trace).
-        trace_context = tuple(inject(span).items()) if span is not None else tuple(first.trace_context.items())
-        params = GenerationParams(
-            model=spec.name,
-            prompt=req.prompt,
-            messages=tuple((m.role, m.content) for m in req.messages),
-            max_tokens=req.max_tokens,
-            temperature=req.temperature if req.HasField("temperature") else None,
-            top_p=req.top_p if req.HasField("top_p") else None,
-            stop=tuple(req.stop),
-            seed=req.seed if req.HasField("seed") else None,
-            ignore_eos=req.ignore_eos,
-            request_id=req.request_id,
-            timeout_s=first.timeout_s if first.HasField("timeout_s") else context.time_remaining(),
-            labels=dict(req.labels),
-            trace_context=trace_context,
-        )
-        logs.about(req.request_id, span)  # before the pump task starts: it copies this context
+        return spec
+
+    def _span(self, first: worker_pb2.WorkerCommand, spec: ModelSpec) -> trace.Span:
+        """The generation's span on this worker, child of the router's (which sent its context in the start)."""
+        return self.tracer.start_span(
+            f"generate {spec.name}", context=from_mapping(first.trace_context), kind=trace.SpanKind.SERVER,
+            attributes={"gen_ai.request.model": spec.name, "gen_ai.response.id": first.start.request_id,
+                        "tokenmesh.tokens_before": first.tokens_before,
+                        "tokenmesh.triton_url": self._backend.endpoint})
+
+    def _start(self, first: worker_pb2.WorkerCommand, params: GenerationParams) -> Record:
+        """Count the generation in flight and start it on the backend (queued when every slot is taken)."""
         queued = self.in_flight >= self.limits.slots()
         self.in_flight += 1
         self.idle.clear()
-        record = self.registry.start(req.request_id, first.first_seq or 1, first.tokens_before,
+        record = self.registry.start(params.request_id, first.first_seq or 1, first.tokens_before,
                                      self._backend.generate(params))
         record.queued = queued
+        return record
 
-        async def watch_commands() -> None:
-            async for command in request_iterator:
-                if command.WhichOneof("command") == "cancel" and self.registry.records.get(req.request_id) is record:
-                    self.registry.cancel(req.request_id)
-                    return
+    async def _watch_commands(self, commands: AsyncIterator[worker_pb2.WorkerCommand], record: Record) -> None:
+        """Stop the generation when its stream sends a cancel (while the record is still this stream's)."""
+        async for command in commands:
+            if command.WhichOneof("command") == "cancel" and self.registry.records.get(record.request_id) is record:
+                self.registry.cancel(record.request_id)
+                return
 
-        watcher = asyncio.create_task(watch_commands())
-        if span is not None:
-            span.set_attribute("tokenmesh.first_seq", record.first_seq)
-        try:
-            async for event in record.stream(record.first_seq - 1):
-                if span is not None:
-                    _trace_event(span, event)
-                yield event
-        finally:
-            if span is not None:
-                span.end()
-            watcher.cancel()
-            if not first.resumable and self.registry.records.get(req.request_id) is record:
-                if record.done:
-                    self.registry.forget(record)  # delivered; nobody will resume it
-                else:
-                    self.registry.cancel(req.request_id)  # its caller is gone
+    def _release(self, record: Record, *, resumable: bool) -> None:
+        """The stream is over: a generation no one will resume is forgotten (delivered) or cancelled (caller gone)."""
+        if resumable or self.registry.records.get(record.request_id) is not record:
+            return
+        if record.done:
+            self.registry.forget(record)  # delivered; nobody will resume it
+        else:
+            self.registry.cancel(record.request_id)  # its caller is gone
 
     async def Attach(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.AttachRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -47,18 +47,13 @@ class TritonGeneration(Generation):
 
     async def __aiter__(self) -> AsyncIterator[Delta | Finished]:
         """Deltas as Triton streams them, then Finished (or BackendError)."""
-        params = self._params
         completion_tokens = 0
         if self._cancelled:
             yield Finished("cancelled", 0, 0)
             return
+        call = self._open()
         try:
-            call = self._call = self._stub.ModelStreamInfer(timeout=params.timeout_s,
-                                                            metadata=params.trace_context or None)
-        except grpc.aio.UsageError as exc:  # "Channel is closed": the backend restarted or stopped meanwhile
-            raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, f"Triton: {exc} (backend restarting)") from exc
-        try:
-            await call.write(build_request(params))
+            await call.write(build_request(self._params))
             await call.done_writing()  # Triton ends the stream after the final response
             while True:
                 message = await call.read()
@@ -70,41 +65,73 @@ class TritonGeneration(Generation):
                 outputs = _Outputs(message.infer_response)
                 text = outputs.text("text_output")
                 tokens = outputs.uint("num_output_tokens")
-                final = outputs.final
-                if not final:
+                if not outputs.final:
                     completion_tokens += tokens
                     if text:
                         yield Delta(text, tokens)
                     continue
-                finish = outputs.text("finish_reason") or "stop"
-                if text:  # non-streaming backends put everything in the final response
-                    yield Delta(text, tokens - completion_tokens if tokens > completion_tokens else 0)
-                yield Finished(finish, outputs.uint("num_input_tokens"), max(tokens, completion_tokens))
+                for event in _last(outputs, text, tokens, completion_tokens):
+                    yield event
                 return
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            if self._cancelled:
-                yield Finished("cancelled", 0, completion_tokens)
-                return
-            if isinstance(exc, asyncio.InvalidStateError):
-                raise
-            message = f"{exc.code().name}: {exc.details()}"
-            raise BackendError(_rpc_error_class(exc), f"Triton: {message}") from exc
-        except MalformedBytes as exc:
-            # A broken response fails this generation, never the worker.
-            raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, f"Triton sent a malformed response: {exc}") from exc
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is None or task.cancelling() != 0:
                 raise  # our caller cancels us
-            if self._cancelled:
-                yield Finished("cancelled", 0, completion_tokens)
-                return
+            yield self._stopped(exc, completion_tokens)
+            return
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            yield self._stopped(exc, completion_tokens)
+            return
+        except MalformedBytes as exc:
+            # A broken response fails this generation, never the worker.
+            raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, f"Triton sent a malformed response: {exc}") from exc
+        finally:
+            call.cancel()  # no-op once Triton ended the stream
+        yield self._stopped(None, completion_tokens)
+
+    def _open(self) -> Any:
+        """The ModelStreamInfer call, carrying the trace context (its spans are children of the worker's)."""
+        params = self._params
+        try:
+            call = self._call = self._stub.ModelStreamInfer(timeout=params.timeout_s,
+                                                            metadata=params.trace_context or None)
+        except grpc.aio.UsageError as exc:  # "Channel is closed": the backend restarted or stopped meanwhile
+            raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, f"Triton: {exc} (backend restarting)") from exc
+        return call
+
+    def _stopped(self, exc: BaseException | None, completion_tokens: int) -> Finished:
+        """Finished("cancelled") when cancel() stopped the call; otherwise why it stopped, raised.
+
+        Args:
+            exc: what ended the call early (None: Triton closed the stream before the final response).
+            completion_tokens: tokens streamed so far.
+
+        """
+        if self._cancelled:
+            return Finished("cancelled", 0, completion_tokens)
+        if exc is None:
+            raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, "Triton closed the stream before the final response")
+        if isinstance(exc, grpc.aio.AioRpcError):
+            raise BackendError(_rpc_error_class(exc), f"Triton: {exc.code().name}: {exc.details()}") from exc
+        if isinstance(exc, asyncio.CancelledError):
             # Neither the caller nor cancel(): the channel was closed under the call
             # (the backend restarting), which grpc reports as a cancelled read.
             raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, "Triton: the channel closed mid-stream") from exc
-        finally:
-            call.cancel()  # no-op once Triton ended the stream
-        if self._cancelled:
-            yield Finished("cancelled", 0, completion_tokens)
-            return
-        raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, "Triton closed the stream before the final response")
+        raise exc
+
+
+def _last(outputs: _Outputs, text: str, tokens: int, completion_tokens: int) -> tuple[Delta | Finished, ...]:
+    """The events of the final response: its text, if any (a non-streaming backend sends it all there), then the end.
+
+    Args:
+        outputs: the final response's outputs.
+        text: its ``text_output``.
+        tokens: its ``num_output_tokens`` (a total, or this response's share).
+        completion_tokens: tokens streamed before it.
+
+    """
+    finished = Finished(outputs.text("finish_reason") or "stop", outputs.uint("num_input_tokens"),
+                        max(tokens, completion_tokens))
+    if not text:
+        return (finished,)
+    return Delta(text, max(tokens - completion_tokens, 0)), finished

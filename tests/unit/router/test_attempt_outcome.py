@@ -1,0 +1,80 @@
+"""One rule for how an attempt on a worker ended: the worker failed (fail over) or the caller erred (end with it)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tokenmesh.errors import InvalidArgument, MeshError, NotFound, Unavailable
+from tokenmesh.router._inference import _not_moved
+from tokenmesh.router._outcome import WorkerFailed, outcome
+from tokenmesh.v1 import worker_pb2
+
+
+def status(code: grpc.StatusCode, details: str = "details") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def test_a_stream_closed_without_an_end_is_the_workers_failure() -> None:
+    ended = outcome(None, "w:1", received=True)
+    assert isinstance(ended, WorkerFailed) and ended.kind == "closed"
+    assert str(ended) == "worker closed the stream without an end"
+
+
+@pytest.mark.parametrize(("error_class", "kind"), [
+    (worker_pb2.ERROR_CLASS_BACKEND, "backend"),
+    (worker_pb2.ERROR_CLASS_OUT_OF_MEMORY, "out_of_memory"),
+    (worker_pb2.ERROR_CLASS_UNAVAILABLE, "unavailable"),
+    (worker_pb2.ERROR_CLASS_TIMEOUT, "timeout"),
+    (worker_pb2.ERROR_CLASS_DEVICE_LOST, "device_lost"),
+])
+def test_a_worker_error_event_of_the_workers_classes_fails_over_labelled_by_class(error_class: int,
+                                                                                  kind: str) -> None:
+    ended = outcome(worker_pb2.GenerationError(error_class=error_class, message="it broke"), "w:1", received=True)
+    assert isinstance(ended, WorkerFailed) and ended.kind == kind and str(ended) == "it broke"
+
+
+@pytest.mark.parametrize(("error_class", "error_type"), [
+    (worker_pb2.ERROR_CLASS_INVALID_REQUEST, InvalidArgument),
+    (worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND, NotFound),
+])
+def test_a_worker_error_event_about_the_request_ends_the_stream_with_the_callers_error(
+    error_class: int, error_type: type[MeshError]
+) -> None:
+    ended = outcome(worker_pb2.GenerationError(error_class=error_class, message="bad stop"), "w:1", received=False)
+    assert type(ended) is error_type
+    assert ended.message == "bad stop" and ended.metadata == {"worker": "w:1"}
+
+
+@pytest.mark.parametrize("code", [
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED,
+])
+@pytest.mark.parametrize("received", [False, True])
+def test_a_status_about_the_request_is_the_callers_before_and_after_output(code: grpc.StatusCode,
+                                                                          received: bool) -> None:
+    ended = outcome(status(code, "no such model"), "w:1", received=received)
+    assert isinstance(ended, MeshError) and ended.grpc_code == code and ended.message == "no such model"
+
+
+def test_resource_exhausted_is_the_worker_at_its_limit_before_output_and_a_slow_caller_after() -> None:
+    before = outcome(status(grpc.StatusCode.RESOURCE_EXHAUSTED, "at its limit"), "w:1", received=False)
+    assert isinstance(before, WorkerFailed) and before.kind == "resource_exhausted"
+    after = outcome(status(grpc.StatusCode.RESOURCE_EXHAUSTED, "replay buffer full"), "w:1", received=True)
+    assert isinstance(after, MeshError) and after.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED])
+def test_any_other_status_is_the_workers_failure_named_by_its_code(code: grpc.StatusCode) -> None:
+    ended = outcome(status(code, "connection reset"), "w:1", received=True)
+    assert isinstance(ended, WorkerFailed) and ended.kind == code.name.lower()
+    assert str(ended) == f"{code.name}: connection reset"
+
+
+def test_resume_reports_a_worker_failure_as_unavailable_and_passes_the_callers_error_on() -> None:
+    failure = WorkerFailed("UNAVAILABLE: gone", "unavailable")
+    reported = _not_moved(failure, "w:1", "rid")
+    assert isinstance(reported, Unavailable) and reported.__cause__ is failure
+    assert reported.message == ("worker w:1 holding rid failed during Resume (UNAVAILABLE: gone); "
+                                "a resumed stream is not moved to another worker")
+    caller = InvalidArgument("bad")
+    assert _not_moved(caller, "w:1", "rid") is caller
