@@ -61,11 +61,13 @@ class Link:
     _retired: list[grpc.aio.Channel]
     """This peer's channels replaced at renewals, open while streams may run on them."""
     _spawn: Spawn
+    _dropped: bool
 
     def __init__(self, address: str, channel: grpc.aio.Channel, spawn: Spawn) -> None:
         self.address = address
         self.channel = channel
         self._spawn = spawn
+        self._dropped = False
         self._stubs = {}
         self._bodies = {}
         self._tasks = {}
@@ -76,6 +78,9 @@ class Link:
         """The stub of that class (e.g. ``worker_pb2_grpc.WorkerStub``) on the link's channel, made once per channel."""
         stub = self._stubs.get(kind)
         if stub is None:
+            if self._dropped:
+                # Its channel is closed, and grpcio (1.85) can crash the process making a stub on a closed channel.
+                raise grpc.aio.UsageError(f"the link to {self.address} was dropped")
             stub = self._stubs[kind] = kind(self.channel)
         return stub
 
@@ -123,6 +128,8 @@ class Link:
 
     def _stop(self) -> list[grpc.aio.Channel]:
         """Cancel the tasks and calls; return every channel to close."""
+        self._dropped = True
+        self._stubs.clear()
         for task in self._tasks.values():
             task.cancel()
         self._tasks.clear()
