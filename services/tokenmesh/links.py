@@ -218,12 +218,6 @@ class Links:
             else:
                 self._close_later(old)
 
-    async def follow(self, renewals: AsyncIterator[None]) -> None:
-        """Renew every link at each renewal of the certificate files (e.g. ``Tls.renewals()``), for ever."""
-        async for _ in renewals:
-            log.info("TLS certificate files changed: new channels to %d peers", len(self._links))
-            self.renew()
-
     def _close_later(self, channel: grpc.aio.Channel) -> None:
         closing = asyncio.create_task(channel.close())
         self._closing.add(closing)
@@ -237,3 +231,14 @@ class Links:
             task.cancel()
         if self._closing:
             await asyncio.wait(set(self._closing))
+
+
+async def follow_renewals(renewals: AsyncIterator[None], *sets: Links) -> None:
+    """Renew every link of every set at each renewal of the certificate files (``Tls.renewals()``), for ever.
+
+    One loop for all of a service's sets: each pass of ``Tls.renewals()`` sees a renewal once.
+    """
+    async for _ in renewals:
+        log.info("TLS certificate files changed: new channels to %d peers", sum(len(links) for links in sets))
+        for links in sets:
+            links.renew()

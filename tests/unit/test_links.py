@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenmesh.health import HealthServicer
-from tokenmesh.links import Link, Links
+from tokenmesh.links import Link, Links, follow_renewals
 from tokenmesh.tls import open_channel
 from tokenmesh.v1 import worker_pb2_grpc
 
@@ -158,7 +158,7 @@ async def test_a_renewal_gives_new_channels_and_restarts_tasks_while_a_stream_on
             yield
 
     on_old = health_pb2_grpc.HealthStub(link.channel)
-    follow = asyncio.create_task(links.follow(from_queue()))
+    follow = asyncio.create_task(follow_renewals(from_queue(), links))
     try:
         watcher.listening.clear()
         renewals.put_nowait(None)

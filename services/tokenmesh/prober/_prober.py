@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenmesh.discovery import Discovery, DnsResolver
 from tokenmesh.lifecycle import Service
-from tokenmesh.links import Link, Links
+from tokenmesh.links import Link, Links, follow_renewals
 from tokenmesh.metrics import MetricsEndpoint
 from tokenmesh.prober._config import ProberConfig
 from tokenmesh.prober._metrics import ProberMetrics
@@ -288,17 +288,6 @@ class Prober(Service):
         self.routers[address] = _RouterLink(address)
         self.router_links.open(address).run("weight push", self._push)
 
-    async def _follow_certificates(self) -> None:
-        """Renewed certificate files: reconnect to every worker and router with the new certificate.
-
-        Each view keeps what it knows meanwhile: no table loses a worker while its loops start again.
-        """
-        async for _ in self.tls.renewals():
-            log.info("TLS certificate files changed: new channels to %d workers and %d routers",
-                     len(self.worker_links), len(self.router_links))
-            self.worker_links.renew()
-            self.router_links.renew()
-
     def _remove(self, kind: str, address: str) -> None:
         """Discovery lost a worker or router: stop watching it (a worker leaves the next table)."""
         (self.views if kind == "worker" else self.routers).pop(address, None)
@@ -322,7 +311,9 @@ class Prober(Service):
                 self._add_router(address)
         self.spawn(self._recompute(), "recompute")
         if self.tls.on:
-            self.spawn(self._follow_certificates(), "certificate renewals")
+            # Each view keeps what it knows meanwhile: no table loses a worker while its loops start again.
+            self.spawn(follow_renewals(self.tls.renewals(), self.worker_links, self.router_links),
+                       "certificate renewals")
         await self.host.set_ready(True)
         log.info("prober on %s watching %d workers, pushing to %d routers", self.host.address,
                  len(self.views), len(self.routers))

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenmesh.config import env_name
 from tokenmesh.discovery import Discovery, DnsResolver
 from tokenmesh.lifecycle import Service
-from tokenmesh.links import Link, Links
+from tokenmesh.links import Link, Links, follow_renewals
 from tokenmesh.metrics import MetricsEndpoint
 from tokenmesh.process import dies_with_parent, stop_process
 from tokenmesh.retry import Reconnect, StreamEnded, failure_name
@@ -264,7 +264,8 @@ class Router(Service):
                 self._watch(address)
         self.spawn(self._add_workers(), "worker discovery")
         if self.tls.on:
-            self.spawn(self.links.follow(self.tls.renewals()), "certificate renewals")
+            renewed = [self.links] if self.peers is None else [self.links, self.peers.links]
+            self.spawn(follow_renewals(self.tls.renewals(), *renewed), "certificate renewals")
         if self.peers is not None:
             self.peers.register(self.host.private_address)
             if self.config.process_index == 0:
