@@ -27,8 +27,9 @@ import grpc
 
 log = logging.getLogger(__name__)
 
-ChannelFactory = Callable[[str], grpc.aio.Channel]
-"""Opens a channel to an address (e.g. ``lambda a: tls.channel(a, options)``), with the credentials of now."""
+Options = tuple[tuple[str, Any], ...]
+ChannelFactory = Callable[[str, Options], grpc.aio.Channel]
+"""Opens a channel to an address with channel options (e.g. ``Tls.channel``), with the credentials of now."""
 Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
 """Starts a background task under a name (a service's supervised ``spawn``)."""
 PeerTask = Callable[["Link"], Coroutine[Any, Any, None]]
@@ -144,7 +145,8 @@ class Links:
 
     Args:
         connect: opens a channel to an address with the credentials of the moment (the router and prober:
-            ``Tls.channel``; the client: its own credentials and options).
+            ``Tls.channel``; the client: its own credentials).
+        options: the channel options every link's channel gets.
         spawn: starts the links' per-peer tasks (a service passes its supervised ``spawn``; default: plain
             tasks held here).
         keep_retired: at a renewal, keep each old channel open until :meth:`close` (streams on it run to their
@@ -153,6 +155,7 @@ class Links:
     """
 
     _connect: ChannelFactory
+    _options: Options
     _spawn: Spawn
     _keep_retired: bool
     _links: dict[str, Link]
@@ -161,8 +164,10 @@ class Links:
     _closing: set[asyncio.Task[None]]
     """Channels being closed in the background (held until done, so none is collected mid-close)."""
 
-    def __init__(self, connect: ChannelFactory, *, spawn: Spawn | None = None, keep_retired: bool = True) -> None:
+    def __init__(self, connect: ChannelFactory, options: Options = (), *, spawn: Spawn | None = None,
+                 keep_retired: bool = True) -> None:
         self._connect = connect
+        self._options = options
         self._spawn = spawn or self._plain_task
         self._keep_retired = keep_retired
         self._links = {}
@@ -199,7 +204,7 @@ class Links:
         """The link to address, opened now if it is not yet (the channel connects on its first call)."""
         link = self._links.get(address)
         if link is None:
-            link = self._links[address] = Link(address, self._connect(address), self._spawn)
+            link = self._links[address] = Link(address, self._connect(address, self._options), self._spawn)
         return link
 
     def drop(self, address: str) -> None:
@@ -212,7 +217,7 @@ class Links:
     def renew(self) -> None:
         """A new channel per link (the credentials of now): new calls and the per-peer tasks go on it."""
         for link in self._links.values():
-            old = link._renew(self._connect(link.address))  # noqa: SLF001 - the owner renews its own links
+            old = link._renew(self._connect(link.address, self._options))  # noqa: SLF001 - the owner renews its own links
             if self._keep_retired:
                 link._retired.append(old)  # noqa: SLF001
             else:

@@ -43,8 +43,8 @@ class Opened:
     def __init__(self) -> None:
         self.channels = []
 
-    def __call__(self, address: str) -> grpc.aio.Channel:
-        channel = open_channel(address, None)
+    def __call__(self, address: str, options: tuple[tuple[str, Any], ...]) -> grpc.aio.Channel:
+        channel = open_channel(address, None, options)
         self.channels.append(channel)
         return channel
 

@@ -76,7 +76,6 @@ class Client:
     initial_backoff_s: float
     _background: set[asyncio.Task[Any]]
     _credentials: grpc.ChannelCredentials | None
-    _options: tuple[tuple[str, Any], ...]
 
     def __init__(
         self,
@@ -98,16 +97,16 @@ class Client:
         self._addresses = list(names)
         self._resolved_at = 0.0
         self._turn = random.randrange(len(names))  # noqa: S311 - spreads clients over routers, not security
+        options = CHANNEL_OPTIONS
+        if server_name:  # the name on the routers' certificates, when they are called by address
+            options = (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name))
         # Channels replaced by renew() stay open until close(): streams on them run on.
-        self._links = Links(self._channel)
+        self._links = Links(self._channel, options)
         self.retry_deadline_s = retry_deadline_s
         self.max_resumes = max_resumes
         self.initial_backoff_s = initial_backoff_s
         self._background = set()
         self._credentials = credentials
-        self._options = CHANNEL_OPTIONS
-        if server_name:  # the name on the routers' certificates, when they are called by address
-            self._options = (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name))
 
     async def __aenter__(self) -> Self:
         return self
@@ -168,9 +167,9 @@ class Client:
             address = addresses[self._turn % len(addresses)]
         return address
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def _channel(self, address: str, options: tuple[tuple[str, Any], ...]) -> grpc.aio.Channel:
         """A channel to a router with the credentials of now."""
-        return open_channel(address, self._credentials, self._options)
+        return open_channel(address, self._credentials, options)
 
     def _stub(self, address: str) -> inference_pb2_grpc.InferenceStub:
         return self._links.open(address).stub(inference_pb2_grpc.InferenceStub)

@@ -95,8 +95,8 @@ class Prober(Service):
         self._changed = asyncio.Event()
         # Every call on a link is one of its tasks, started again on the new channel at a renewal:
         # the old channel carries nothing and is closed at once.
-        self.worker_links = Links(self._channel, spawn=self.spawn, keep_retired=False)
-        self.router_links = Links(self._channel, spawn=self.spawn, keep_retired=False)
+        self.worker_links = Links(self.tls.channel, CHANNEL_OPTIONS, spawn=self.spawn, keep_retired=False)
+        self.router_links = Links(self.tls.channel, CHANNEL_OPTIONS, spawn=self.spawn, keep_retired=False)
         self._discoveries = []
         if config.discovery == "dns":
             resolver = DnsResolver(config.discovery_dns_server)
@@ -118,9 +118,6 @@ class Prober(Service):
             view.error = error
         if changed:
             self._changed.set()
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        return self.tls.channel(address, CHANNEL_OPTIONS)
 
     async def _watch_health(self, link: Link) -> None:
         view = self.views[link.address]

@@ -58,9 +58,8 @@ class Peers:
         self.index = index
         self.count = count
         self._latest: router_pb2.WeightTable | None = None
-        tls = self.tls
         # A renewal leaves a stream running on its old channel; the next one opens on the new channel.
-        self.links = Links(lambda address: tls.channel(address))
+        self.links = Links(self.tls.channel)
         self._forwards = {}
         self._wake: dict[int, asyncio.Event] = {}
 

@@ -180,7 +180,7 @@ class Router(Service):
             directory = Path(config.peers_dir or self._own_peers_dir.name)  # type: ignore[union-attr]
             self.peers = Peers(directory, config.process_index, config.processes, self.tls)
         # Old channels stay open after a renewal: generations on them run to their end.
-        self.links = Links(lambda address: self.tls.channel(address, WORKER_CHANNEL_OPTIONS), spawn=self.spawn)
+        self.links = Links(self.tls.channel, WORKER_CHANNEL_OPTIONS, spawn=self.spawn)
         self._new_workers = asyncio.Queue()
         self.admission = Admission(
             self.pool, max_queue=config.max_queue, queue_timeout_s=config.queue_timeout_s, aging_s=config.aging_s
