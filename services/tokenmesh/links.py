@@ -1,8 +1,9 @@
 """One owner per set of peer connections: address -> channel, stubs, and the calls and tasks that use it.
 
-A service's peers (the router's workers, the prober's workers and routers,
-the client's routers) are :class:`Link` s held by one :class:`Links`; nothing
-else opens a channel or makes a stub. A link makes each stub class once (a
+A service's peers (the router's workers and sibling processes, the prober's
+workers and routers, the client's routers) are :class:`Link` s held by one
+:class:`Links` per set; nothing else opens a channel or makes a stub
+(``tests/unit/test_connection_owners.py``). A link makes each stub class once (a
 stub builds a callable per method: too much to do per call) and owns the work
 that belongs to that peer: named per-peer tasks (a health watch, a stats
 stream) and named calls opened ahead of need (the router's spare Generate).
