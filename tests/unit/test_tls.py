@@ -166,7 +166,11 @@ async def test_renewed_certificates_reach_new_connections_and_live_streams_go_on
         renewed = await asyncio.to_thread(served_serial, address, mesh.folder)
         assert renewed != first
         before = {a: link.channel for a, link in mesh.router.links.items()}
+        watches = {a: link.tasks["health watch"] for a, link in mesh.router.links.items()}
         await wait_until(lambda: all(mesh.router.links[a].channel is not c for a, c in before.items()), timeout=5)
+        # Each worker's health watch started again on its new channel; the stream above runs on on its old one.
+        await wait_until(lambda: all(t.done() for t in watches.values()))
+        assert all(t.cancelled() and mesh.router.links[a].tasks["health watch"] is not t for a, t in watches.items())
         assert renewed == x509.load_pem_x509_certificate((mesh.folder / "router.crt").read_bytes()).serial_number
         while (chunk := await stream.read()) is not grpc.aio.EOF:
             seqs.append(chunk.seq)
