@@ -81,7 +81,8 @@ class Link:
         stub = self._stubs.get(kind)
         if stub is None:
             if self._dropped:
-                # Its channel is closed, and grpcio (1.85) can crash the process making a stub on a closed channel.
+                # Its channel is closed: grpcio (1.85) can crash the process making a stub on a closed channel
+                # (its registered call handle; a related race: grpc/grpc#43455, open).
                 raise grpc.aio.UsageError(f"the link to {self.address} was dropped")
             stub = self._stubs[kind] = kind(self.channel)
         return stub
