@@ -146,11 +146,13 @@ class Discovery:
         for name, answer in zip(self._names, answers, strict=True):
             self._apply(name, answer)
 
-    async def run(self, interval_s: float) -> None:
-        """Refresh every interval_s, for ever (the first round is the caller's :meth:`refresh`)."""
+    async def run(self, interval_s: float, then: Callable[[], None] | None = None) -> None:
+        """Refresh every interval_s, for ever (the first round is the caller's :meth:`refresh`); then after each."""
         while True:
             await asyncio.sleep(interval_s)
             await self.refresh()
+            if then is not None:
+                then()
 
     async def _lookup(self, name: _Name) -> set[str] | None:
         """The name's addresses now; None when the lookup failed."""

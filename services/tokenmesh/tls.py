@@ -94,6 +94,14 @@ def _load(path: str, flag: str, parse: Any) -> Any:
         raise ConfigError(f"{flag} {path}: not a PEM file of that kind ({exc})") from None
 
 
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None,
+                 options: tuple[tuple[str, Any], ...] = ()) -> grpc.aio.Channel:
+    """A channel to address: plaintext without credentials, else TLS (every channel to a mesh peer opens here)."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
 class Tls:
     """One service's TLS: its server credentials, the channels it opens, the identity check of its server.
 
@@ -186,11 +194,9 @@ class Tls:
     def channel(self, address: str, options: tuple[tuple[str, Any], ...] = ()) -> grpc.aio.Channel:
         """A channel to address: plaintext, or TLS from the files as they are now (renewed ones included)."""
         credentials = self.credentials()
-        if credentials is None:
-            return grpc.aio.insecure_channel(address, options=options)
-        if self._settings.tls_server_name:
+        if credentials is not None and self._settings.tls_server_name:
             options = (*options, ("grpc.ssl_target_name_override", self._settings.tls_server_name))
-        return grpc.aio.secure_channel(address, credentials, options=options)
+        return open_channel(address, credentials, options)
 
     def authorize(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Raise PermissionDenied unless the peer's identity may call method (mtls only; otherwise a no-op)."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 import pytest
 
 from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
+from tokenmesh.router._spares import SPARE
 from tokenmesh.v1 import inference_pb2, router_pb2
 
 
@@ -190,12 +192,14 @@ async def test_worker_calls_are_opened_ahead_and_carry_the_callers_deadline(mesh
     # the caller's deadline reaches the engine through the start command.
     # The server's remaining time can read a little above the 30 s the client set (30.098 s seen).
     assert timeouts[0] is not None and 25 < timeouts[0] <= 31
-    spares = mesh.router.inference.spares.open_calls
-    assert len(spares) == 1  # for the worker that ran it, opened once its start was sent
-    first = next(iter(spares.values()))
+    def spares() -> list[Any]:
+        return [c for _, link in mesh.router.links.items() if (c := link.held(SPARE)) is not None]
+
+    assert len(spares()) == 1  # for the worker that ran it, opened once its start was sent
+    first = spares()[0]
     assert not first.done()
     for _ in range(4):  # spread over both workers
         await collect(mesh, prompt="hello", max_tokens=2)
     assert timeouts[1:] == [None] * 4  # no deadline: none for the engine either
     # That spare carried a later generation and is done; each worker has a new one open.
-    assert first.done() and len(spares) == 2 and not any(c.done() or c is first for c in spares.values())
+    assert first.done() and len(spares()) == 2 and not any(c.done() or c is first for c in spares())

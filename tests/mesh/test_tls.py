@@ -164,8 +164,12 @@ async def test_renewed_certificates_reach_new_connections_and_live_streams_go_on
             issue(mesh.folder, role, ca)
         renewed = await asyncio.to_thread(served_serial, address, mesh.folder)
         assert renewed != first
-        before = dict(mesh.router._channels)  # noqa: SLF001 - the router's channels to its workers
-        await wait_until(lambda: all(mesh.router._channels[a] is not c for a, c in before.items()), timeout=5)  # noqa: SLF001
+        before = {a: link.channel for a, link in mesh.router.links.items()}
+        watches = {a: link.tasks["health watch"] for a, link in mesh.router.links.items()}
+        await wait_until(lambda: all(mesh.router.links[a].channel is not c for a, c in before.items()), timeout=5)
+        # Each worker's health watch started again on its new channel; the stream above runs on on its old one.
+        await wait_until(lambda: all(t.done() for t in watches.values()))
+        assert all(t.cancelled() and mesh.router.links[a].tasks["health watch"] is not t for a, t in watches.items())
         assert renewed == x509.load_pem_x509_certificate((mesh.folder / "router.crt").read_bytes()).serial_number
         while (chunk := await stream.read()) is not grpc.aio.EOF:
             seqs.append(chunk.seq)
@@ -220,9 +224,11 @@ async def test_the_prober_reconnects_with_renewed_certificates_and_its_tables_ke
     try:
         await wait_until(lambda: prober.table.version > 0 and mesh.router.pool.version == prober.table.version
                          and all(w.weight > 0 for w in prober.table.workers), timeout=10)
-        before = {key: c for key, (c, _) in prober._links.items()}  # noqa: SLF001 - its channels
+        links = (prober.worker_links, prober.router_links)
+        before = {(i, a): link.channel for i, each in enumerate(links) for a, link in each.items()}
+        assert len(before) == len(mesh.workers) + 1
         issue(mesh.folder, "prober", load_ca(mesh.folder))
-        await wait_until(lambda: all(prober._links[k][0] is not c for k, c in before.items()), timeout=5)  # noqa: SLF001
+        await wait_until(lambda: all(links[i][a].channel is not c for (i, a), c in before.items()), timeout=5)
         await wait_until(lambda: all(link.connected for link in prober.routers.values()), timeout=5)
         # Workers stay weighed (no table dropped them while reconnecting), and the router has the latest table.
         assert all(w.weight > 0 for w in prober.table.workers)
@@ -245,11 +251,12 @@ async def test_the_gateway_renews_its_channels_to_the_routers(mesh: TlsMesh) -> 
             body = {"prompt": "hi", "max_tokens": 3}
             assert (await http.post(f"{gateway.url}/completions", json=body)).status_code == 200
             assert gateway.client is not None
-            before = dict(gateway.client._channels)  # noqa: SLF001 - its channels to the routers
+            links = gateway.client._links  # noqa: SLF001 - its channels to the routers
+            before = {a: link.channel for a, link in links.items()}
+            assert list(before) == [mesh.router.host.address]
             issue(mesh.folder, "gateway", load_ca(mesh.folder))
-            await wait_until(lambda: gateway.client is not None and not gateway.client._channels, timeout=5)  # noqa: SLF001
+            await wait_until(lambda: all(links[a].channel is not c for a, c in before.items()), timeout=5)
             assert (await http.post(f"{gateway.url}/completions", json=body)).status_code == 200
-            assert all(gateway.client._channels[a] is not c for a, c in before.items())  # noqa: SLF001
         without = ssl.create_default_context(cafile=str(mesh.folder / "ca.crt"))
         async with httpx.AsyncClient(verify=without) as http:  # no client certificate: refused
             with pytest.raises(httpx.HTTPError):

@@ -15,6 +15,7 @@ from tokenmesh.config import ConfigError
 from tokenmesh.discovery import EMPTY_ROUNDS, Discovery, DnsResolver, LookupFailed
 from tokenmesh.prober import ProberConfig
 from tokenmesh.router import Router, RouterConfig
+from tokenmesh.router._spares import SPARE
 from tokenmesh.server import ServiceHost
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
@@ -162,6 +163,10 @@ async def test_a_router_follows_the_records_and_drains_a_worker_that_left_withou
             # A long stream on the first worker (the only one), then the records change under it.
             stream = inference.Generate(inference_pb2.GenerateRequest(prompt="long", max_tokens=150))
             seqs = [(await stream.read()).seq]
+            first_link = router.links[first]
+            watch = first_link.tasks["health watch"]
+            spare = first_link.held(SPARE)  # opened for its next generation once this one started
+            assert spare is not None and not spare.done()
             server.zone.set("workers.mesh.test", "127.0.0.2")
             await wait_until(lambda: second in pool.entries and pool.entries[second].healthy, timeout=2)
             table = await operator.GetRoutingTable(router_pb2.GetRoutingTableRequest())
@@ -181,11 +186,15 @@ async def test_a_router_follows_the_records_and_drains_a_worker_that_left_withou
             assert final.usage.completion_tokens == 150 and seqs == list(range(1, len(seqs) + 1))
             # Its streams ended: the first worker is dropped, channel and all.
             await wait_until(lambda: first not in pool.entries, timeout=2)
+            assert first not in router.links and spare.cancelled() and first_link.tasks == {}
+            await wait_until(watch.done)
+            assert watch.cancelled()
             table = await operator.GetRoutingTable(router_pb2.GetRoutingTableRequest())
             assert [w.address for w in table.workers] == [second]
             # And it comes back when the name lists it again.
             server.zone.set("workers.mesh.test", "127.0.0.1", "127.0.0.2")
             await wait_until(lambda: first in pool.entries and pool.entries[first].healthy, timeout=2)
+            assert router.links[first] is not first_link  # a new link, with a new watch
         assert router.failure is None  # the name that never resolved was retried, not fatal
     finally:
         if router is not None:

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.support.fakes import FakeBackend
 from tests.support.mesh import InProcessMesh, wait_until
 from tokenmesh.lifecycle import Lifecycle
+from tokenmesh.links import Link
 from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
@@ -77,7 +78,7 @@ async def test_a_dying_background_loop_takes_the_service_to_not_serving_and_a_no
     addresses = tuple(w.host.address for w in mesh.workers)
     pushed = asyncio.Event()
 
-    async def broken_push(self: Prober, link: Any, channel: grpc.aio.Channel) -> None:
+    async def broken_push(self: Prober, link: Link) -> None:
         await pushed.wait()
         raise RuntimeError("push loop bug")
 
@@ -271,7 +272,7 @@ async def test_async_with_cancels_its_body_and_raises_the_failure_of_a_task_that
 ) -> None:
     pushed = asyncio.Event()
 
-    async def broken_push(self: Prober, link: Any, channel: grpc.aio.Channel) -> None:
+    async def broken_push(self: Prober, link: Link) -> None:
         await pushed.wait()
         raise RuntimeError("push loop bug")
 

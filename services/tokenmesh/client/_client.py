@@ -34,8 +34,10 @@ import grpc
 from tokenmesh.config import address_error
 from tokenmesh.discovery import join, literal_ip
 from tokenmesh.errors import DeadlineExceeded, MeshError, Unavailable, from_rpc_error
+from tokenmesh.links import Links
 from tokenmesh.retry import Backoff, Reconnect, StreamEnded, describe, is_transient
 from tokenmesh.server import CHANNEL_OPTIONS
+from tokenmesh.tls import open_channel
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -67,17 +69,13 @@ class Client:
     _addresses: list[str]
     _resolved_at: float
     _turn: int
-    _channels: dict[str, grpc.aio.Channel]
-    _stubs: dict[str, inference_pb2_grpc.InferenceStub]
-    """One stub per channel: a stub builds a callable per method, too much to do per call."""
+    _links: Links
+    """Per router: its channel and Inference stub."""
     retry_deadline_s: float
     max_resumes: int
     initial_backoff_s: float
     _background: set[asyncio.Task[Any]]
     _credentials: grpc.ChannelCredentials | None
-    _options: tuple[tuple[str, Any], ...]
-    _retired: list[grpc.aio.Channel]
-    """Channels replaced by :meth:`renew`, open until :meth:`close` (their streams run on)."""
 
     def __init__(
         self,
@@ -99,17 +97,16 @@ class Client:
         self._addresses = list(names)
         self._resolved_at = 0.0
         self._turn = random.randrange(len(names))  # noqa: S311 - spreads clients over routers, not security
-        self._channels = {}
-        self._stubs = {}
+        options = CHANNEL_OPTIONS
+        if server_name:  # the name on the routers' certificates, when they are called by address
+            options = (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name))
+        # Channels replaced by renew() stay open until close(): streams on them run on.
+        self._links = Links(self._channel, options)
         self.retry_deadline_s = retry_deadline_s
         self.max_resumes = max_resumes
         self.initial_backoff_s = initial_backoff_s
         self._background = set()
         self._credentials = credentials
-        self._options = CHANNEL_OPTIONS
-        if server_name:  # the name on the routers' certificates, when they are called by address
-            self._options = (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name))
-        self._retired = []
 
     async def __aenter__(self) -> Self:
         return self
@@ -123,22 +120,16 @@ class Client:
         """Close every channel (cancels still on their way are given a moment)."""
         if self._background:
             await asyncio.wait(self._background, timeout=2)
-        for channel in [*self._channels.values(), *self._retired]:
-            await channel.close()
-        self._channels.clear()
-        self._stubs.clear()
-        self._retired.clear()
+        await self._links.close()
 
     def renew(self, credentials: grpc.ChannelCredentials) -> None:
         """New credentials (renewed certificates) for every call from now on.
 
-        New channels are opened as calls need them; the old ones stay open until
-        :meth:`close`, so streams already running finish on them.
+        Each router gets a new channel; the old ones stay open until :meth:`close`,
+        so streams already running finish on them.
         """
         self._credentials = credentials
-        self._retired.extend(self._channels.values())
-        self._channels.clear()
-        self._stubs.clear()
+        self._links.renew()
 
     # -- routers ------------------------------------------------------------
 
@@ -176,14 +167,12 @@ class Client:
             address = addresses[self._turn % len(addresses)]
         return address
 
+    def _channel(self, address: str, options: tuple[tuple[str, Any], ...]) -> grpc.aio.Channel:
+        """A channel to a router with the credentials of now."""
+        return open_channel(address, self._credentials, options)
+
     def _stub(self, address: str) -> inference_pb2_grpc.InferenceStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            channel = self._channels[address] = (
-                grpc.aio.insecure_channel(address, options=self._options) if self._credentials is None
-                else grpc.aio.secure_channel(address, self._credentials, options=self._options))
-            stub = self._stubs[address] = inference_pb2_grpc.InferenceStub(channel)
-        return stub
+        return self._links.open(address).stub(inference_pb2_grpc.InferenceStub)
 
     def _policy(self, what: str, deadline_s: float) -> Reconnect:
         """The mesh's retry policy (tokenmesh.retry) for one call: full jitter up to 2 s, one deadline."""

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenmesh.discovery import Discovery, DnsResolver
 from tokenmesh.lifecycle import Service
+from tokenmesh.links import Link, Links, follow_renewals
 from tokenmesh.metrics import MetricsEndpoint
 from tokenmesh.prober._config import ProberConfig
 from tokenmesh.prober._metrics import ProberMetrics
@@ -67,10 +68,10 @@ class Prober(Service):
     metrics_endpoint: MetricsEndpoint | None
     _next_version: int
     _changed: asyncio.Event
-    _links: dict[tuple[str, str], tuple[grpc.aio.Channel, list[asyncio.Task[Any]]]]
-    """Per worker or router address: its channel and the tasks that use it."""
-    _closing: set[asyncio.Task[None]]
-    """Channels of workers or routers discovery lost, being closed."""
+    worker_links: Links
+    """Per worker: its channel, health watch and stats stream."""
+    router_links: Links
+    """Per router: its channel and weight push."""
     _discoveries: list[Discovery]
     """The names' lookups (--discovery dns): workers, then routers."""
 
@@ -92,8 +93,10 @@ class Prober(Service):
         self.metrics_endpoint = None
         self._next_version = int(time.time() * 1000)  # grows across prober restarts
         self._changed = asyncio.Event()
-        self._links = {}
-        self._closing = set()
+        # Every call on a link is one of its tasks, started again on the new channel at a renewal:
+        # the old channel carries nothing and is closed at once.
+        self.worker_links = Links(self.tls.channel, CHANNEL_OPTIONS, spawn=self.spawn, keep_retired=False)
+        self.router_links = Links(self.tls.channel, CHANNEL_OPTIONS, spawn=self.spawn, keep_retired=False)
         self._discoveries = []
         if config.discovery == "dns":
             resolver = DnsResolver(config.discovery_dns_server)
@@ -116,8 +119,9 @@ class Prober(Service):
         if changed:
             self._changed.set()
 
-    async def _watch_health(self, view: WorkerView, channel: grpc.aio.Channel) -> None:
-        stub = health_pb2_grpc.HealthStub(channel)
+    async def _watch_health(self, link: Link) -> None:
+        view = self.views[link.address]
+        stub = link.stub(health_pb2_grpc.HealthStub)
         reconnect = Reconnect("health watch", view.address, logger=log)
 
         async def session() -> None:
@@ -132,8 +136,9 @@ class Prober(Service):
 
         await reconnect.run(session)
 
-    async def _watch_stats(self, view: WorkerView, channel: grpc.aio.Channel) -> None:
-        stub = worker_pb2_grpc.WorkerStub(channel)
+    async def _watch_stats(self, link: Link) -> None:
+        view = self.views[link.address]
+        stub = link.stub(worker_pb2_grpc.WorkerStub)
         timeout = self.config.probe_timeout_s
         reconnect = Reconnect("stats stream", view.address, logger=log)
         ping_id = 0
@@ -223,8 +228,9 @@ class Prober(Service):
 
     # -- pushing to routers -------------------------------------------------
 
-    async def _push(self, link: _RouterLink, channel: grpc.aio.Channel) -> None:
-        stub = router_pb2_grpc.ControlStub(channel)
+    async def _push(self, router: Link) -> None:
+        link = self.routers[router.address]
+        stub = router.stub(router_pb2_grpc.ControlStub)
         reconnect = Reconnect("weight push", link.address, logger=log)
 
         async def session() -> None:
@@ -268,53 +274,22 @@ class Prober(Service):
         if address in self.views:
             return
         self.views[address] = WorkerView(address)
-        self._connect("worker", address)
+        link = self.worker_links.open(address)
+        link.run("health watch", self._watch_health)
+        link.run("stats", self._watch_stats)
         self._changed.set()
 
     def _add_router(self, address: str, found_by: str = "") -> None:
         if address in self.routers:
             return
         self.routers[address] = _RouterLink(address)
-        self._connect("router", address)
-
-    def _connect(self, kind: str, address: str) -> None:
-        """A channel to a worker or router (from the certificate files as they are now) and the loops on it."""
-        channel = self.tls.channel(address, CHANNEL_OPTIONS)
-        if kind == "worker":
-            view = self.views[address]
-            tasks = [self.spawn(self._watch_health(view, channel), f"health watch {address}"),
-                     self.spawn(self._watch_stats(view, channel), f"stats {address}")]
-        else:
-            tasks = [self.spawn(self._push(self.routers[address], channel), f"weight push {address}")]
-        self._links[kind, address] = (channel, tasks)
-
-    async def _follow_certificates(self) -> None:
-        """Renewed certificate files: reconnect to every worker and router with the new certificate."""
-        async for _ in self.tls.renewals():
-            log.info("TLS certificate files changed: new channels to %d workers and routers", len(self._links))
-            for (kind, address), (old, tasks) in list(self._links.items()):
-                for task in tasks:
-                    task.cancel()
-                self._connect(kind, address)  # the view keeps what it knows: no table loses the worker meanwhile
-                closing = asyncio.create_task(old.close())
-                self._closing.add(closing)
-                closing.add_done_callback(self._closing.discard)
+        self.router_links.open(address).run("weight push", self._push)
 
     def _remove(self, kind: str, address: str) -> None:
         """Discovery lost a worker or router: stop watching it (a worker leaves the next table)."""
         (self.views if kind == "worker" else self.routers).pop(address, None)
-        channel, tasks = self._links.pop((kind, address))
-        for task in tasks:
-            task.cancel()
-        closing = asyncio.create_task(channel.close())
-        self._closing.add(closing)  # held until done, so it is not collected mid-close
-        closing.add_done_callback(self._closing.discard)
+        (self.worker_links if kind == "worker" else self.router_links).drop(address)
         self._changed.set()
-
-    async def _rediscover(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.discovery_interval_s)
-            await asyncio.gather(*(d.refresh() for d in self._discoveries))
 
     async def _start(self) -> None:
         """Start watching and pushing; ready once the loops run."""
@@ -324,7 +299,8 @@ class Prober(Service):
         if self._discoveries:
             # Names that do not resolve yet are retried every interval, never fatal.
             await asyncio.gather(*(d.refresh() for d in self._discoveries))
-            self.spawn(self._rediscover(), "DNS discovery")
+            for what, discovery in zip(("workers", "routers"), self._discoveries, strict=True):
+                self.spawn(discovery.run(self.config.discovery_interval_s), f"DNS discovery of {what}")
         else:
             for address in self.config.workers:
                 self._add_worker(address)
@@ -332,7 +308,9 @@ class Prober(Service):
                 self._add_router(address)
         self.spawn(self._recompute(), "recompute")
         if self.tls.on:
-            self.spawn(self._follow_certificates(), "certificate renewals")
+            # Each view keeps what it knows meanwhile: no table loses a worker while its loops start again.
+            self.spawn(follow_renewals(self.tls.renewals(), self.worker_links, self.router_links),
+                       "certificate renewals")
         await self.host.set_ready(True)
         log.info("prober on %s watching %d workers, pushing to %d routers", self.host.address,
                  len(self.views), len(self.routers))
@@ -341,5 +319,5 @@ class Prober(Service):
     async def _close(self) -> None:
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
-        for channel, _ in self._links.values():
-            await channel.close()
+        await self.worker_links.close()
+        await self.router_links.close()

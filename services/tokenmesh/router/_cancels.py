@@ -12,6 +12,7 @@ import logging
 
 import grpc
 
+from tokenmesh.links import Links
 from tokenmesh.retry import Backoff, Reconnect, describe
 from tokenmesh.v1 import inference_pb2, worker_pb2_grpc
 
@@ -31,16 +32,16 @@ class WorkerCancels:
     """Worker/Cancel calls on behalf of the router.
 
     Args:
-        stubs: the router's worker stubs by address (shared; the router adds to it).
+        links: the router's links to its workers.
 
     """
 
-    _stubs: dict[str, worker_pb2_grpc.WorkerStub]
+    _links: Links
     _background: set[asyncio.Task[bool]]
     """Cancels in flight that nobody awaits (held so they are not collected mid-call)."""
 
-    def __init__(self, stubs: dict[str, worker_pb2_grpc.WorkerStub]) -> None:
-        self._stubs = stubs
+    def __init__(self, links: Links) -> None:
+        self._links = links
         self._background = set()
 
     def _keep(self, task: asyncio.Task[bool]) -> None:
@@ -49,9 +50,10 @@ class WorkerCancels:
 
     async def _ask(self, address: str, request_id: str, deadline: float, backoff: Backoff, failures: list[str]) -> bool:
         """Whether the worker held request_id and stops it now; failures gets why it could not be asked."""
-        stub = self._stubs.get(address)
-        if stub is None:  # discovery dropped the worker meanwhile: it holds nothing of ours
+        link = self._links.get(address)
+        if link is None:  # discovery dropped the worker meanwhile: it holds nothing of ours
             return False
+        stub = link.stub(worker_pb2_grpc.WorkerStub)
         loop = asyncio.get_running_loop()
         request = inference_pb2.CancelRequest(request_id=request_id)
         reconnect = Reconnect("cancel", address, backoff, log, loud=False)
@@ -77,7 +79,7 @@ class WorkerCancels:
 
     def abandon(self, address: str, request_id: str) -> None:
         """Tell a worker, in the background, to stop a generation this router no longer streams."""
-        if address not in self._stubs:
+        if address not in self._links:
             return
         deadline = asyncio.get_running_loop().time() + ABANDON_DEADLINE_S
         failures: list[str] = []
@@ -98,7 +100,7 @@ class WorkerCancels:
         deadline = asyncio.get_running_loop().time() + timeout_s
         failures: list[str] = []
         asks = [asyncio.create_task(self._ask(address, request_id, deadline, _ASK_ALL, failures))
-                for address in list(self._stubs)]
+                for address in self._links]
         try:
             for answer in asyncio.as_completed(asks):
                 if await answer:

@@ -29,6 +29,7 @@ from tokenmesh.errors import (
     from_rpc_error,
     label,
 )
+from tokenmesh.links import Links
 from tokenmesh.redaction import capture_enabled
 from tokenmesh.retry import write
 from tokenmesh.router._admission import FAILOVER, Admission, level
@@ -58,7 +59,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     Args:
         config: the router's settings.
         pool: the workers and the weight table in force.
-        stubs: the router's worker stubs by address (shared; the router adds one per worker it learns of).
+        links: the router's links to its workers (the router opens one per worker it learns of).
         admission: grants worker slots, queueing by priority.
 
     """
@@ -74,7 +75,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     _config: RouterConfig
     _pool: WorkerPool
     _admission: Admission
-    _stubs: dict[str, worker_pb2_grpc.WorkerStub]
+    _links: Links
     _relay: Relay
     metrics: RouterMetrics
     tracer: trace.Tracer
@@ -86,7 +87,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self,
         config: RouterConfig,
         pool: WorkerPool,
-        stubs: dict[str, worker_pb2_grpc.WorkerStub],
+        links: Links,
         admission: Admission,
         metrics: RouterMetrics,
     ) -> None:
@@ -96,13 +97,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._config = config
         self._pool = pool
         self._admission = admission
-        self._stubs = stubs
+        self._links = links
         self.live = {}
         self.idle = asyncio.Event()
         self.idle.set()
         self.draining = False
-        self.spares = Spares(stubs)
-        self.cancels = WorkerCancels(stubs)
+        self.spares = Spares(links)
+        self.cancels = WorkerCancels(links)
         self._relay = Relay(config, self.spares, self.cancels)
 
     async def Generate(  # noqa: N802 - gRPC method name
@@ -308,7 +309,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._begin(request_id, resumed=True)  # so Generate and Cancel see it is being streamed here
         try:
             for entry in sorted(self._pool.entries.values(), key=lambda e: not e.healthy):
-                call = self._stubs[entry.address].Attach(
+                call = self._links[entry.address].stub(worker_pb2_grpc.WorkerStub).Attach(
                     worker_pb2.AttachRequest(request_id=request_id, after_seq=request.after_seq),
                     timeout=context.time_remaining(),
                 )

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import tenacity
 
+from tokenmesh.links import Links
 from tokenmesh.retry import Reconnect, StreamEnded, write
 from tokenmesh.tls import Tls, TlsSettings
 from tokenmesh.v1 import router_pb2, router_pb2_grpc
@@ -44,7 +45,9 @@ class Peers:
     count: int
     _latest: router_pb2.WeightTable | None
     """The newest table from the prober, which every sibling gets."""
-    _links: dict[int, asyncio.Task[None]]
+    links: Links
+    """The channels to the siblings, by private address (renewed with the router's certificate)."""
+    _forwards: dict[int, asyncio.Task[None]]
     """Per sibling, the task that keeps a weight stream to it."""
     _wake: dict[int, asyncio.Event]
     """Per sibling, set when there is a newer table to send."""
@@ -55,7 +58,9 @@ class Peers:
         self.index = index
         self.count = count
         self._latest: router_pb2.WeightTable | None = None
-        self._links: dict[int, asyncio.Task[None]] = {}
+        # A renewal leaves a stream running on its old channel; the next one opens on the new channel.
+        self.links = Links(self.tls.channel)
+        self._forwards = {}
         self._wake: dict[int, asyncio.Event] = {}
 
     def register(self, private_address: str) -> None:
@@ -107,27 +112,30 @@ class Peers:
         """Pass a table from the prober on to every sibling (the newest wins if they lag)."""
         self._latest = table
         for index in self.addresses():
-            link = self._links.get(index)
-            if link is None or link.done():  # a link ends only on a permanent error (logged): try it afresh
+            forward = self._forwards.get(index)
+            if forward is None or forward.done():  # it ends only on a permanent error (logged): try it afresh
                 self._wake[index] = asyncio.Event()
-                self._links[index] = asyncio.create_task(self._link(index))
-                self._links[index].add_done_callback(_logged_already)
+                self._forwards[index] = asyncio.create_task(self._forward(index))
+                self._forwards[index].add_done_callback(_logged_already)
             self._wake[index].set()
 
-    async def _link(self, index: int) -> None:
+    async def _forward(self, index: int) -> None:
         """One weight stream to a sibling, reopened through the retry policy when it breaks."""
         wake = self._wake[index]
         reconnect = Reconnect("weight forward", f"router process {index}", logger=log)
 
         async def session() -> None:
-            address = self.addresses().get(index)
+            listed = self.addresses()
+            address = listed.get(index)
             if address is None:
                 raise ConnectionError(f"router process {index} is not listed (restarting?)")
-            async with self.tls.channel(address) as channel:
-                call = router_pb2_grpc.ControlStub(channel).PushWeights(metadata=(FORWARDED,))
-                # A stream that breaks while no table is due wakes the link too: the sibling
-                # restarted, and gets the latest table as soon as it is back, not with the next one.
-                call.add_done_callback(lambda _: wake.set())
+            for gone in set(self.links) - set(listed.values()):  # a sibling that restarted listed a new address
+                self.links.drop(gone)
+            call = self.links.open(address).stub(router_pb2_grpc.ControlStub).PushWeights(metadata=(FORWARDED,))
+            # A stream that breaks while no table is due wakes the task too: the sibling
+            # restarted, and gets the latest table as soon as it is back, not with the next one.
+            call.add_done_callback(lambda _: wake.set())
+            try:
                 sent = 0  # a new stream: the latest table goes again
                 while True:
                     # Cleared before the table is read: one forwarded meanwhile sets it again.
@@ -143,19 +151,22 @@ class Peers:
                         reconnect.connected()
                         sent = table.version
                     await wake.wait()
+            finally:
+                call.cancel()  # the channel stays open (the link's): the stream ends with the session
 
         await reconnect.run(session)
 
     async def close(self) -> None:
         """Stop passing tables on."""
-        for task in self._links.values():
+        for task in self._forwards.values():
             task.cancel()
-        for task in self._links.values():
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # a failed link logged its error
+        for task in self._forwards.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # a failed stream logged its error
                 await task
+        await self.links.close()
 
 
 def _logged_already(task: asyncio.Task[None]) -> None:
-    """Take a finished link's error: Reconnect logged it (without this, asyncio would again at exit)."""
+    """Take a finished forward's error: Reconnect logged it (without this, asyncio would again at exit)."""
     if not task.cancelled():
         task.exception()

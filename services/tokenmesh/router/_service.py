@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenmesh.config import env_name
 from tokenmesh.discovery import Discovery, DnsResolver
 from tokenmesh.lifecycle import Service
+from tokenmesh.links import Link, Links, follow_renewals
 from tokenmesh.metrics import MetricsEndpoint
 from tokenmesh.process import dies_with_parent, stop_process
 from tokenmesh.retry import Reconnect, StreamEnded, failure_name
@@ -147,15 +148,9 @@ class Router(Service):
     inference: InferenceServicer
     _siblings: list[subprocess.Popen[bytes]]
     _own_peers_dir: tempfile.TemporaryDirectory[str] | None
-    _channels: dict[str, grpc.aio.Channel]
-    _stubs: dict[str, worker_pb2_grpc.WorkerStub]
+    links: Links
+    """Per worker: its channel, stubs, health watch and spare Generate call."""
     _new_workers: asyncio.Queue[str]
-    _watches: dict[str, asyncio.Task[Any]]
-    """Each worker's health watch task (cancelled when discovery drops the worker)."""
-    _retired: list[grpc.aio.Channel]
-    """Channels replaced after a certificate renewal (open until the router stops: their streams run on)."""
-    _closing: set[asyncio.Task[None]]
-    """Channels of dropped workers being closed."""
     discovery: Discovery | None
     """The worker names' lookups (--discovery dns)."""
     metrics: RouterMetrics
@@ -184,8 +179,8 @@ class Router(Service):
                 self._own_peers_dir = tempfile.TemporaryDirectory(prefix="tokenmesh-router-")
             directory = Path(config.peers_dir or self._own_peers_dir.name)  # type: ignore[union-attr]
             self.peers = Peers(directory, config.process_index, config.processes, self.tls)
-        self._channels = {}
-        self._stubs = {}
+        # Old channels stay open after a renewal: generations on them run to their end.
+        self.links = Links(self.tls.channel, WORKER_CHANNEL_OPTIONS, spawn=self.spawn)
         self._new_workers = asyncio.Queue()
         self.admission = Admission(
             self.pool, max_queue=config.max_queue, queue_timeout_s=config.queue_timeout_s, aging_s=config.aging_s
@@ -194,7 +189,7 @@ class Router(Service):
         self.metrics_endpoint = None
         self.tls.denied = lambda group: self.metrics.denied.labels(group).inc()
         self.metrics.watch(self.pool, self.admission)
-        self.inference = InferenceServicer(config, self.pool, self._stubs, self.admission, self.metrics)
+        self.inference = InferenceServicer(config, self.pool, self.links, self.admission, self.metrics)
         self.tracing = Tracing("router")
         self.inference.tracer = self.tracing.tracer
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
@@ -203,9 +198,6 @@ class Router(Service):
         control = ControlServicer(self.pool, self._new_workers, allowed, config.discovery == "prober", self.metrics,
                                   self.peers)
         router_pb2_grpc.add_ControlServicer_to_server(control, host.server)
-        self._watches = {}
-        self._closing = set()
-        self._retired = []
         self.discovery = None
         if config.discovery == "dns":
             resolver = DnsResolver(config.discovery_dns_server)
@@ -213,12 +205,8 @@ class Router(Service):
 
     def _watch(self, address: str, found_by: str = "static") -> None:
         self.pool.add(address, found_by)  # one discovery had let go is taken back
-        if address in self._channels:
-            return
-        channel = self.tls.channel(address, WORKER_CHANNEL_OPTIONS)
-        self._channels[address] = channel
-        self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
-        self._watches[address] = self.spawn(self._watch_worker(address, channel), f"health watch {address}")
+        if address not in self.links:
+            self.links.open(address).run("health watch", self._watch_worker)
 
     def _found(self, address: str, name: str) -> None:
         self._watch(address, f"dns {name}")
@@ -235,44 +223,14 @@ class Router(Service):
         for entry in [e for e in self.pool.entries.values() if e.gone and e.in_flight == 0]:
             log.info("worker %s dropped (%s; no stream left)", entry.address, entry.gone)
             self.pool.drop(entry)
-            self._watches.pop(entry.address).cancel()
-            spare = self.inference.spares.open_calls.pop(entry.address, None)
-            if spare is not None:
-                spare.cancel()
-            self._stubs.pop(entry.address, None)
-            closing = asyncio.create_task(self._channels.pop(entry.address).close())
-            self._closing.add(closing)  # held until done, so it is not collected mid-close
-            closing.add_done_callback(self._closing.discard)
+            self.links.drop(entry.address)  # its watch and spare end, its channels close
 
-    async def _follow_certificates(self) -> None:
-        """Renewed certificate files: new channels to every worker, so new calls present the new certificate.
-
-        The old channels stay open until the router stops: the streams on them
-        run to their end on the connection they started on.
-        """
-        async for _ in self.tls.renewals():
-            log.info("TLS certificate files changed: new channels to %d workers", len(self._channels))
-            for address, old in list(self._channels.items()):
-                channel = self.tls.channel(address, WORKER_CHANNEL_OPTIONS)
-                self._channels[address] = channel
-                self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
-                self._retired.append(old)
-                self._watches.pop(address).cancel()
-                self._watches[address] = self.spawn(self._watch_worker(address, channel), f"health watch {address}")
-
-    async def _rediscover(self) -> None:
-        assert self.discovery is not None
-        while True:
-            await asyncio.sleep(self.config.discovery_interval_s)
-            await self.discovery.refresh()
-            self._drop_idle()
-
-    async def _watch_worker(self, address: str, channel: grpc.aio.Channel) -> None:
+    async def _watch_worker(self, link: Link) -> None:
         """Keep the pool's view of the worker's health and models current from health Watch and Describe."""
-        entry = self.pool.entries[address]
-        stub = self._stubs[address]
-        health = health_pb2_grpc.HealthStub(channel)
-        reconnect = Reconnect("health watch", address, logger=log)
+        entry = self.pool.entries[link.address]
+        stub = link.stub(worker_pb2_grpc.WorkerStub)
+        health = link.stub(health_pb2_grpc.HealthStub)
+        reconnect = Reconnect("health watch", link.address, logger=log)
 
         async def session() -> None:
             try:
@@ -300,13 +258,14 @@ class Router(Service):
         """Start watching the configured (or the first discovered) workers, then SERVING."""
         if self.discovery is not None:
             await self.discovery.refresh()  # names that do not resolve yet are retried, never fatal
-            self.spawn(self._rediscover(), "DNS discovery")
+            self.spawn(self.discovery.run(self.config.discovery_interval_s, then=self._drop_idle), "DNS discovery")
         else:
             for address in self.config.workers:
                 self._watch(address)
         self.spawn(self._add_workers(), "worker discovery")
         if self.tls.on:
-            self.spawn(self._follow_certificates(), "certificate renewals")
+            renewed = [self.links] if self.peers is None else [self.links, self.peers.links]
+            self.spawn(follow_renewals(self.tls.renewals(), *renewed), "certificate renewals")
         if self.peers is not None:
             self.peers.register(self.host.private_address)
             if self.config.process_index == 0:
@@ -354,10 +313,8 @@ class Router(Service):
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         await asyncio.to_thread(self.tracing.shutdown)  # exports what is pending (blocking I/O)
-        self.inference.spares.close()
         self.inference.cancels.close()
-        for channel in [*self._channels.values(), *self._retired]:
-            await channel.close()
+        await self.links.close()  # the spares, the watches, every channel (retired ones too)
         for sibling in self._siblings:
             await asyncio.to_thread(stop_process, sibling, 10.0)
         if self._own_peers_dir is not None:
