@@ -29,8 +29,9 @@ HEADER = """\
 
 Every setting of a service is a flag and an environment variable,
 `TOKENMESH_<SERVICE>_<NAME>`; the flag wins over the variable, which wins
-over the default. A boolean is `--name` / `--no-name`, or `true` / `false` in
-the environment. A list is comma-separated. Invalid values stop the service at
+over the default. A boolean is `--name` / `--no-name`, or in the environment
+one of `true`, `1`, `yes`, `on`, `false`, `0`, `no`, `off` (any case; any other
+value, a typo too, is refused). A list is comma-separated. Invalid values stop the service at
 start with a one-line message naming the setting (exit code 2);
 `--check-config` validates and prints the settings without starting anything.
 

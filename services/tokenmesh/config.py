@@ -37,6 +37,24 @@ def csv(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off")
+
+
+def parse_bool(value: str) -> bool:
+    """A boolean from an environment value: one of :data:`TRUE_WORDS` or :data:`FALSE_WORDS`, in any case.
+
+    Anything else raises ValueError naming the accepted words: a typo (``ture``) must stop the service at start,
+    not read as false.
+    """
+    word = value.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ValueError(f"not a boolean: use one of {', '.join(TRUE_WORDS + FALSE_WORDS)} (any case)")
+
+
 def env_name(service: str, field: str) -> str:
     """Environment variable that sets ``field`` of ``service``."""
     return f"{ENV_PREFIX}{service.upper()}_{field.upper()}"
@@ -48,7 +66,7 @@ def _parser_for(field: dataclasses.Field[Any]) -> Callable[[str], Any]:
         return parse
     default: object = field.default
     if isinstance(default, bool):
-        return lambda v: v.strip().lower() in {"1", "true", "yes", "on"}
+        return parse_bool
     if isinstance(default, int):
         return int
     if isinstance(default, float):

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 
 from tokenmesh.config import ConfigError, add_arguments, from_namespace
 from tokenmesh.errors import classify_backend_message
 from tokenmesh.mesh import MeshConfig
+from tokenmesh.redaction import CAPTURE_ENV, capture_enabled
 from tokenmesh.router import RouterConfig
 from tokenmesh.v1 import worker_pb2
 from tokenmesh.worker import WorkerConfig
@@ -75,6 +79,47 @@ def test_bad_env_value_is_a_config_error(monkeypatch) -> None:
     monkeypatch.setenv("TOKENMESH_ROUTER_PORT", "many")
     with pytest.raises(ConfigError, match="TOKENMESH_ROUTER_PORT"):
         parse(RouterConfig, "router", [])
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("true", True), ("TRUE", True), (" Yes ", True), ("1", True), ("on", True),
+    ("false", False), ("False", False), ("NO", False), ("0", False), ("off", False),
+])
+def test_a_boolean_env_value_is_one_of_the_known_words_in_any_case(monkeypatch, value: str, expected: bool) -> None:
+    monkeypatch.setenv("TOKENMESH_WORKER_TRITON_TLS", value)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, WorkerConfig, "worker")
+    assert parser.parse_args([]).triton_tls is expected
+    assert parser.parse_args(["--no-triton-tls"]).triton_tls is False  # the flag still wins
+
+
+@pytest.mark.parametrize("value", ["ture", "2", "", "enabled", "y"])
+def test_a_boolean_env_value_that_is_no_known_word_is_refused_naming_the_variable(monkeypatch, value: str) -> None:
+    monkeypatch.setenv("TOKENMESH_WORKER_TRITON_TLS", value)
+    with pytest.raises(ConfigError) as refused:
+        parse(WorkerConfig, "worker", [])
+    assert str(refused.value) == (f"TOKENMESH_WORKER_TRITON_TLS={value!r} is not valid: not a boolean: use one of "
+                                  "true, 1, yes, on, false, 0, no, off (any case)")
+
+
+def test_the_content_capture_variable_takes_the_same_words_and_refuses_a_typo(monkeypatch) -> None:
+    monkeypatch.delenv(CAPTURE_ENV, raising=False)
+    assert capture_enabled() is False
+    for value, expected in (("", False), ("TRUE", True), ("off", False)):
+        monkeypatch.setenv(CAPTURE_ENV, value)
+        assert capture_enabled() is expected
+    monkeypatch.setenv(CAPTURE_ENV, "ture")
+    with pytest.raises(ConfigError, match=f"^{CAPTURE_ENV}='ture' is not valid: not a boolean: use one of true,"):
+        capture_enabled()
+
+
+def test_a_router_whose_capture_variable_has_a_typo_exits_2_at_start_naming_it() -> None:
+    env = {**os.environ, CAPTURE_ENV: "ture"}
+    done = subprocess.run([sys.executable, "-m", "tokenmesh", "router", "--port", "0", "--workers", "127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"tokenmesh router: error: {CAPTURE_ENV}='ture' is not valid: not a boolean")
 
 
 async def test_every_mesh_error_survives_the_wire_and_comes_back_as_itself() -> None:
