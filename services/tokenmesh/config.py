@@ -16,6 +16,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -105,6 +106,35 @@ def check(condition: bool, message: str) -> None:
     """Raise ConfigError(message) unless condition holds."""
     if not condition:
         raise ConfigError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    """What router, worker and prober set alike about their gRPC server: address, ports, stop grace, ready file.
+
+    Each service's config inherits these (with :class:`~tokenmesh.tls.TlsSettings`) and calls
+    :meth:`check_server` from its ``__post_init__``; it redeclares ``port`` for its own default (a redeclared
+    field keeps its place, so every service lists its settings in the same order).
+    """
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(0, "gRPC port; 0 picks a free one")
+    health_port: int = setting(0, "also serve grpc.health.v1 alone (liveness, readiness, \"\"), plaintext, on this "
+                                  "port, for kubelet probes (which present no client certificate); 0 = off")
+    metrics_port: int = setting(0, "serve Prometheus metrics on http://host:PORT/metrics; 0 = off")
+    stop_grace_s: float = setting(1.0, "after the drain, how long calls still open (health watches and other "
+                                       "long streams) may take before they are ended")
+    ready_file: str = setting("", "write the server's address and pid (a worker's: also its Triton's url and pid) "
+                                  "as JSON here once SERVING")
+
+    def check_server(self) -> None:
+        """Validate the ports and the grace (ConfigError names the setting)."""
+        check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
+        check(0 <= self.metrics_port <= 65535, f"metrics_port must be 0..65535, got {self.metrics_port}")
+        check(not self.health_port or self.health_port != self.port,
+              f"health_port must differ from port ({self.port}); 0 turns it off")
+        check(self.stop_grace_s >= 0, f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
 
 
 _HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
