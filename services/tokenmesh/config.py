@@ -33,6 +33,16 @@ def setting(default: Any, help: str, *, parse: Callable[[str], Any] | None = Non
     return dataclasses.field(default=default, metadata={"help": help, "parse": parse})
 
 
+def not_a_setting(default_factory: Callable[[], Any]) -> Any:
+    """Declare a config field that code sets but that has no flag or environment variable (document it in place)."""
+    return dataclasses.field(default_factory=default_factory, metadata={"setting": False})
+
+
+def settings(cls: type[Any]) -> tuple[dataclasses.Field[Any], ...]:
+    """The fields of ``cls`` that are settings (a flag and a variable each): all but those of :func:`not_a_setting`."""
+    return tuple(f for f in dataclasses.fields(cls) if f.metadata.get("setting", True))
+
+
 def csv(value: str) -> tuple[str, ...]:
     """Parse a comma-separated list, dropping blanks."""
     return tuple(part.strip() for part in value.split(",") if part.strip())
@@ -76,8 +86,8 @@ def _parser_for(field: dataclasses.Field[Any]) -> Callable[[str], Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type[Any], service: str) -> None:
-    """Add one ``--flag`` per field of ``cls``; env vars provide defaults."""
-    for field in dataclasses.fields(cls):
+    """Add one ``--flag`` per setting of ``cls``; env vars provide defaults."""
+    for field in settings(cls):
         flag = "--" + field.name.replace("_", "-")
         env = env_name(service, field.name)
         parse = _parser_for(field)
