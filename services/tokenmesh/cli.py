@@ -21,6 +21,7 @@ from tokenmesh.config import ConfigError, add_arguments, from_namespace, setting
 from tokenmesh.errors import MeshError, from_rpc_error, label
 from tokenmesh.logs import FORMATS as LOG_FORMATS
 from tokenmesh.logs import configure as configure_logs
+from tokenmesh.mesh import Mesh, MeshStartError, UpConfig
 
 DEFAULT_ADDR = "127.0.0.1:50051"
 
@@ -57,8 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
              "(env TOKENMESH_LOG_FORMAT; default text)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    from tokenmesh.mesh import UpConfig
 
     up = sub.add_parser("up", help="start the embedded mesh: N workers with Triton, a prober, a router and the "
                                    "HTTP gateway")
@@ -181,8 +180,8 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _StopRequested
 
 
-def _up(args: argparse.Namespace) -> int:
-    from tokenmesh.mesh import Mesh, MeshStartError, UpConfig
+def _up_config(args: argparse.Namespace) -> UpConfig:
+    """The UpConfig of the flags and TOKENMESH_UP_* variables, with --model's repository."""
     from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
 
     config = from_namespace(UpConfig, args)
@@ -190,6 +189,32 @@ def _up(args: argparse.Namespace) -> int:
         if config.model_repository:
             raise ConfigError("give --model or --model-repository, not both")
         config = dataclasses.replace(config, model_repository=str(SHIPPED_REPOSITORIES[args.model]))
+    return config
+
+
+def _up_banner(mesh: Mesh) -> str:
+    """Where each service of a started mesh listens (and, with mTLS, how to call it)."""
+    assert mesh.router is not None and mesh.prober is not None
+    lines = [f"router   {mesh.router.address}   (tokenmesh.v1.Inference, Router, Control)"]
+    lines += [f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}   "
+              f"CPUs {w.info.get('cpus')}" for w in mesh.workers]
+    lines.append(f"prober   {mesh.prober.address}")
+    if mesh.gateway is not None:
+        lines.append(f"gateway  {mesh.gateway.info.get('url')}   (OpenAI-compatible HTTP: /v1/chat/completions, "
+                     "/v1/completions, /v1/models)")
+    lines += [f"metrics  {name:9} {url}" for name, url in mesh.metrics_urls.items()]
+    if mesh.config.tls_dir:
+        folder = Path(mesh.config.tls_dir)
+        lines.append(f"mTLS     certificates in {folder}: CA {folder / 'ca.crt'}, client certificate "
+                     f"{folder / 'client.crt'}, its key {folder / 'client.key'}; try\n    grpcurl -cacert "
+                     f"{folder / 'ca.crt'} -cert {folder / 'client.crt'} -key {folder / 'client.key'} -d "
+                     "'{\"prompt\": \"The capital of France is\", \"max_tokens\": 8}' "
+                     f"{mesh.router.address} tokenmesh.v1.Inference/Generate")
+    return "tokenmesh is up:\n  " + "\n  ".join(lines) + "\nCtrl-C stops everything."
+
+
+def _up(args: argparse.Namespace) -> int:
+    config = _up_config(args)
     if args.check_config:
         return _print_config(config)
     scratch = tempfile.TemporaryDirectory(prefix="tokenmesh-tls-") if args.tls and not config.tls_dir else None
@@ -201,7 +226,6 @@ def _up(args: argparse.Namespace) -> int:
             make_dev_certs(folder, hosts=_cert_hosts(config.host))
         config = dataclasses.replace(config, tls_dir=str(folder))
     mesh = Mesh(config)
-    tls_dir = config.tls_dir
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     engine = {"smollm2": "SmolLM2", "synthetic": "the synthetic model"}[args.model]
@@ -211,23 +235,7 @@ def _up(args: argparse.Namespace) -> int:
           f"pinned to {os.cpu_count()} CPUs shared out)...", file=sys.stderr)
     try:
         mesh.start()
-        assert mesh.router is not None and mesh.prober is not None
-        lines = [f"router   {mesh.router.address}   (tokenmesh.v1.Inference, Router, Control)"]
-        lines += [f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}   "
-                  f"CPUs {w.info.get('cpus')}" for w in mesh.workers]
-        lines.append(f"prober   {mesh.prober.address}")
-        if mesh.gateway is not None:
-            lines.append(f"gateway  {mesh.gateway.info.get('url')}   (OpenAI-compatible HTTP: /v1/chat/completions, "
-                         "/v1/completions, /v1/models)")
-        lines += [f"metrics  {name:9} {url}" for name, url in mesh.metrics_urls.items()]
-        if tls_dir:
-            folder = Path(tls_dir)
-            lines.append(f"mTLS     certificates in {folder}: CA {folder / 'ca.crt'}, client certificate "
-                         f"{folder / 'client.crt'}, its key {folder / 'client.key'}; try\n    grpcurl -cacert "
-                         f"{folder / 'ca.crt'} -cert {folder / 'client.crt'} -key {folder / 'client.key'} -d "
-                         "'{\"prompt\": \"The capital of France is\", \"max_tokens\": 8}' "
-                         f"{mesh.router.address} tokenmesh.v1.Inference/Generate")
-        print("tokenmesh is up:\n  " + "\n  ".join(lines) + "\nCtrl-C stops everything.", flush=True)
+        print(_up_banner(mesh), flush=True)
         reason = mesh.supervise(lambda line: print(line, file=sys.stderr))
         print(f"{reason}; stopping", file=sys.stderr)
         return 1
