@@ -29,8 +29,9 @@ HEADER = """\
 
 Every setting of a service is a flag and an environment variable,
 `TOKENMESH_<SERVICE>_<NAME>`; the flag wins over the variable, which wins
-over the default. A boolean is `--name` / `--no-name`, or `true` / `false` in
-the environment. A list is comma-separated. Invalid values stop the service at
+over the default. A boolean is `--name` / `--no-name`, or in the environment
+one of `true`, `1`, `yes`, `on`, `false`, `0`, `no`, `off` (any case; any other
+value, a typo too, is refused). A list is comma-separated. Invalid values stop the service at
 start with a one-line message naming the setting (exit code 2);
 `--check-config` validates and prints the settings without starting anything.
 
@@ -73,6 +74,8 @@ def _code(value: object) -> str:
 
 
 def _default(value: object) -> str:
+    if value is None:  # unset: the help says what that means
+        return ""
     if isinstance(value, bool):
         return _code(str(value).lower())
     if isinstance(value, tuple | list):
@@ -82,10 +85,10 @@ def _default(value: object) -> str:
 
 def setting_rows(service: str, cls: Any) -> list[str]:
     """One table row per setting of ``cls``: flag, environment variable, default, help."""
-    from tokenmesh.config import env_name
+    from tokenmesh.config import env_name, settings
 
     rows = []
-    for field in dataclasses.fields(cls):
+    for field in settings(cls):
         help_text = field.metadata.get("help", "")
         if not help_text:
             raise SystemExit(f"{cls.__name__}.{field.name} has no help: declare it with setting(default, help)")
@@ -132,7 +135,7 @@ def render() -> str:
     for name, what, sub, cls in commands:
         if cls is None:
             continue
-        fields = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name for f in dataclasses.fields(cls)}  # a field that is no setting is no option either
         out += [
             f"## `tokenmesh {name}`",
             "",

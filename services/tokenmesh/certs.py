@@ -23,9 +23,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from tokenmesh.tls import SPIFFE_PREFIX
+
 ROLES = ("router", "worker", "prober", "gateway", "client")
 """The identities a mesh has; `client` is a caller of the Inference API (grpcurl, an internal service)."""
-SPIFFE_PREFIX = "spiffe://tokenmesh/"
 
 
 def identity(role: str) -> str:
@@ -67,14 +68,6 @@ def make_ca(folder: Path, days: int = 365, name: str = "tokenmesh development CA
     folder.mkdir(parents=True, exist_ok=True)
     _write(folder / "ca.crt", cert.public_bytes(serialization.Encoding.PEM))
     _write(folder / "ca.key", _pem_key(key), private=True)
-    return cert, key
-
-
-def load_ca(folder: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """The CA that :func:`make_ca` wrote in folder."""
-    cert = x509.load_pem_x509_certificate((folder / "ca.crt").read_bytes())
-    key = serialization.load_pem_private_key((folder / "ca.key").read_bytes(), password=None)
-    assert isinstance(key, ec.EllipticCurvePrivateKey)
     return cert, key
 
 

@@ -17,10 +17,11 @@ import grpc
 import uvloop
 
 from tokenmesh.bench.command import BenchError
-from tokenmesh.config import ConfigError, add_arguments, from_namespace
+from tokenmesh.config import ConfigError, add_arguments, from_namespace, settings
 from tokenmesh.errors import MeshError, from_rpc_error, label
 from tokenmesh.logs import FORMATS as LOG_FORMATS
 from tokenmesh.logs import configure as configure_logs
+from tokenmesh.mesh import Mesh, MeshStartError, UpConfig
 
 DEFAULT_ADDR = "127.0.0.1:50051"
 
@@ -58,30 +59,19 @@ def build_parser() -> argparse.ArgumentParser:  # long: an argparse table, a sub
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = sub.add_parser("up", help="start the embedded mesh: N workers with Triton, a prober, a router")
-    up.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
-    up.add_argument("--tls", action="store_true",
-                    help="mutual TLS on every hop, from a development CA made for this run (tokenmesh certs); "
-                         "prints the folder with ca.crt, client.crt and client.key for grpcurl")
-    up.add_argument("--tls-dir", default="",
-                    help="with --tls: keep the certificates in this folder (made there unless ca.crt exists); "
-                         "default: a temporary folder removed at exit")
-    up.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
-    up.add_argument("--host", default="127.0.0.1", help="address every service listens on (default 127.0.0.1)")
-    up.add_argument("--threads", type=int, default=0, help="llama.cpp threads per worker (default: cores / workers)")
-    up.add_argument("--slots", type=int, default=0, help="concurrent generations per worker (default: the model's)")
+    up = sub.add_parser("up", help="start the embedded mesh: N workers with Triton, a prober, a router and the "
+                                   "HTTP gateway")
+    add_arguments(up, UpConfig, "up")
     up.add_argument("--model", choices=("smollm2", "synthetic"), default="smollm2",
-                    help="smollm2: SmolLM2 on llama.cpp (default); synthetic: placeholder tokens at 1,000 tokens/s "
-                         "per stream, for measuring the mesh itself")
-    up.add_argument("--router-processes", type=int, default=1,
-                    help="router processes sharing its port with SO_REUSEPORT (default 1)")
-    up.add_argument("--triton-nice", type=int, default=None,
-                    help="niceness (0-19) of every Triton and its model (default: 19 for smollm2, so that llama.cpp "
-                         "yields the cores at once to the router and workers relaying its tokens; 0 for synthetic, "
-                         "whose per-token work is like theirs)")
-    up.add_argument("--gateway-port", type=int, default=8000,
-                    help="port of the OpenAI-compatible HTTP gateway (default 8000; 0 = no gateway)")
-    up.add_argument("--log-dir", default="", help="write each service's log to LOG_DIR/<name>.log (default: stderr)")
+                    help="the shipped model every worker serves (unless --model-repository): smollm2, SmolLM2 on "
+                         "llama.cpp (default); synthetic, placeholder tokens at 1,000 tokens/s per stream, for "
+                         "measuring the mesh itself")
+    up.add_argument("--tls", action="store_true",
+                    help="mutual TLS on every hop, from a development CA made for this run in a temporary folder "
+                         "(tokenmesh certs; --tls-dir keeps it); prints the folder with ca.crt, client.crt and "
+                         "client.key for grpcurl")
+    _add_check_config(up, "TOKENMESH_UP_*")
+    up.set_defaults(config_cls=UpConfig)
 
     gen = sub.add_parser("generate", help="stream a generation to stdout")
     gen.add_argument("prompt", help="the prompt (with --chat: the user message)")
@@ -131,9 +121,7 @@ def build_parser() -> argparse.ArgumentParser:  # long: an argparse table, a sub
     ):
         service = sub.add_parser(name, help=what, description=what)
         add_arguments(service, cls, name)
-        service.add_argument("--check-config", action="store_true",
-                             help="validate the settings (flags and TOKENMESH_* env), print them and exit: 0 when "
-                                  "valid, 2 with the reason when not; starts nothing (e.g. to test a chart's args)")
+        _add_check_config(service, f"TOKENMESH_{name.upper()}_*")
         service.set_defaults(config_cls=cls)
 
     from tokenmesh_gateway import GatewayConfig
@@ -141,11 +129,22 @@ def build_parser() -> argparse.ArgumentParser:  # long: an argparse table, a sub
     what = "run the HTTP gateway: OpenAI-compatible /v1/chat/completions and /v1/completions (SSE) over routers"
     gateway = sub.add_parser("gateway", help=what, description=what)
     add_arguments(gateway, GatewayConfig, "gateway")
-    gateway.add_argument("--check-config", action="store_true",
-                         help="validate the settings (flags and TOKENMESH_GATEWAY_* env), print them and exit: 0 "
-                              "when valid, 2 with the reason when not; starts nothing")
+    _add_check_config(gateway, "TOKENMESH_GATEWAY_*")
     gateway.set_defaults(config_cls=GatewayConfig)
     return parser
+
+
+def _add_check_config(parser: argparse.ArgumentParser, variables: str) -> None:
+    parser.add_argument("--check-config", action="store_true",
+                        help=f"validate the settings (flags and {variables} env), print them and exit: 0 when valid, "
+                             "2 with the reason when not; starts nothing (e.g. to test a chart's args)")
+
+
+def _print_config(config: Any) -> int:
+    for field in settings(type(config)):
+        value = getattr(config, field.name)
+        print(f"{field.name} = {','.join(value) if isinstance(value, tuple) else value!r}")
+    return 0
 
 
 def _run_service(args: argparse.Namespace) -> int:
@@ -162,10 +161,7 @@ def _run_service(args: argparse.Namespace) -> int:
         service = {"router": Router, "worker": Worker, "prober": Prober}[args.command]
     config = from_namespace(args.config_cls, args)
     if args.check_config:
-        for field in dataclasses.fields(config):
-            value = getattr(config, field.name)
-            print(f"{field.name} = {','.join(value) if isinstance(value, tuple) else value!r}")
-        return 0
+        return _print_config(config)
 
     async def serve() -> int:
         # Built inside the loop: grpc.aio servers and channels bind to the running loop.
@@ -184,54 +180,70 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _StopRequested
 
 
-def _up(args: argparse.Namespace) -> int:
-    from tokenmesh.mesh import Mesh, MeshConfig, MeshStartError
+def _up_config(args: argparse.Namespace) -> UpConfig:
+    """The UpConfig of the flags and TOKENMESH_UP_* variables, with --model's repository."""
     from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
 
-    repository = "" if args.model == "smollm2" else str(SHIPPED_REPOSITORIES[args.model])
-    scratch = tempfile.TemporaryDirectory(prefix="tokenmesh-tls-") if args.tls and not args.tls_dir else None
-    tls_dir = ""
-    if args.tls:
+    config = from_namespace(UpConfig, args)
+    if args.model != "smollm2":
+        if config.model_repository:
+            raise ConfigError("give --model or --model-repository, not both")
+        config = dataclasses.replace(config, model_repository=str(SHIPPED_REPOSITORIES[args.model]))
+    return config
+
+
+def _up_banner(mesh: Mesh) -> str:
+    """Where each service of a started mesh listens (and, with mTLS, how to call it)."""
+    assert mesh.router is not None and mesh.prober is not None
+    lines = [f"router   {mesh.router.address}   (tokenmesh.v1.Inference, Router, Control)"]
+    lines += [f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}   "
+              f"CPUs {w.info.get('cpus')}" for w in mesh.workers]
+    lines.append(f"prober   {mesh.prober.address}")
+    if mesh.gateway is not None:
+        lines.append(f"gateway  {mesh.gateway.info.get('url')}   (OpenAI-compatible HTTP: /v1/chat/completions, "
+                     "/v1/completions, /v1/models)")
+    lines += [f"metrics  {name:9} {url}" for name, url in mesh.metrics_urls.items()]
+    if mesh.config.tls_dir:
+        folder = Path(mesh.config.tls_dir)
+        lines.append(f"mTLS     certificates in {folder}: CA {folder / 'ca.crt'}, client certificate "
+                     f"{folder / 'client.crt'}, its key {folder / 'client.key'}; try\n    grpcurl -cacert "
+                     f"{folder / 'ca.crt'} -cert {folder / 'client.crt'} -key {folder / 'client.key'} -d "
+                     "'{\"prompt\": \"The capital of France is\", \"max_tokens\": 8}' "
+                     f"{mesh.router.address} tokenmesh.v1.Inference/Generate")
+    return "tokenmesh is up:\n  " + "\n  ".join(lines) + "\nCtrl-C stops everything."
+
+
+def _up(args: argparse.Namespace) -> int:
+    config = _up_config(args)
+    if args.check_config:
+        return _print_config(config)
+    scratch = tempfile.TemporaryDirectory(prefix="tokenmesh-tls-") if args.tls and not config.tls_dir else None
+    if scratch is not None or config.tls_dir:
         from tokenmesh.certs import make_dev_certs
 
-        folder = Path(args.tls_dir or scratch.name)  # type: ignore[union-attr]
-        tls_dir = str(folder if (folder / "ca.crt").exists() else make_dev_certs(folder, hosts=_cert_hosts(args.host)))
-    mesh = Mesh(MeshConfig(workers=args.workers, host=args.host, port=args.port, threads=args.threads,
-                           slots=args.slots, log_dir=args.log_dir, model_repository=repository,
-                           router_processes=args.router_processes, triton_nice=args.triton_nice,
-                           gateway_port=args.gateway_port or None, metrics=True, tls_dir=tls_dir))
+        folder = Path(config.tls_dir or scratch.name)  # type: ignore[union-attr]
+        if not (folder / "ca.crt").exists():
+            make_dev_certs(folder, hosts=_cert_hosts(config.host))
+        config = dataclasses.replace(config, tls_dir=str(folder))
+    mesh = Mesh(config)
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
-    engine = "SmolLM2" if args.model == "smollm2" else "the synthetic model"
-    print(f"starting {args.workers} workers (Triton + {engine}, {mesh.threads_per_worker} threads each, "
+    engine = {"smollm2": "SmolLM2", "synthetic": "the synthetic model"}[args.model]
+    if args.model == "smollm2" and config.model_repository:
+        engine = f"the models of {config.model_repository}"
+    print(f"starting {config.workers} workers (Triton + {engine}, {mesh.threads_per_worker} threads each, "
           f"pinned to {os.cpu_count()} CPUs shared out)...", file=sys.stderr)
     try:
         mesh.start()
-        assert mesh.router is not None and mesh.prober is not None
-        lines = [f"router   {mesh.router.address}   (tokenmesh.v1.Inference, Router, Control)"]
-        lines += [f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}   "
-                  f"CPUs {w.info.get('cpus')}" for w in mesh.workers]
-        lines.append(f"prober   {mesh.prober.address}")
-        if mesh.gateway is not None:
-            lines.append(f"gateway  {mesh.gateway.info.get('url')}   (OpenAI-compatible HTTP: /v1/chat/completions, "
-                         "/v1/completions, /v1/models)")
-        lines += [f"metrics  {name:9} {url}" for name, url in mesh.metrics_urls.items()]
-        if tls_dir:
-            folder = Path(tls_dir)
-            lines.append(f"mTLS     certificates in {folder}: CA {folder / 'ca.crt'}, client certificate "
-                         f"{folder / 'client.crt'}, its key {folder / 'client.key'}; try\n    grpcurl -cacert "
-                         f"{folder / 'ca.crt'} -cert {folder / 'client.crt'} -key {folder / 'client.key'} -d "
-                         "'{\"prompt\": \"The capital of France is\", \"max_tokens\": 8}' "
-                         f"{mesh.router.address} tokenmesh.v1.Inference/Generate")
-        print("tokenmesh is up:\n  " + "\n  ".join(lines) + "\nCtrl-C stops everything.", flush=True)
+        print(_up_banner(mesh), flush=True)
         reason = mesh.supervise(lambda line: print(line, file=sys.stderr))
         print(f"{reason}; stopping", file=sys.stderr)
         return 1
     except MeshStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if "gateway" in exc.services:  # its own message names the gateway's flag, not up's
-            print(f"tokenmesh up: the gateway could not start on port {args.gateway_port}: choose another with "
-                  "--gateway-port, or --gateway-port 0 for none", file=sys.stderr)
+            print(f"tokenmesh up: the gateway could not start on port {config.gateway_port}: choose another with "
+                  "--gateway-port (0 picks a free one), or --gateway-port off for none", file=sys.stderr)
         return 1
     except _StopRequested:
         return 0

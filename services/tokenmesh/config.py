@@ -16,6 +16,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -32,9 +33,37 @@ def setting(default: Any, help: str, *, parse: Callable[[str], Any] | None = Non
     return dataclasses.field(default=default, metadata={"help": help, "parse": parse})
 
 
+def not_a_setting(default_factory: Callable[[], Any]) -> Any:
+    """Declare a config field that code sets but that has no flag or environment variable (document it in place)."""
+    return dataclasses.field(default_factory=default_factory, metadata={"setting": False})
+
+
+def settings(cls: type[Any]) -> tuple[dataclasses.Field[Any], ...]:
+    """The fields of ``cls`` that are settings (a flag and a variable each): all but those of :func:`not_a_setting`."""
+    return tuple(f for f in dataclasses.fields(cls) if f.metadata.get("setting", True))
+
+
 def csv(value: str) -> tuple[str, ...]:
     """Parse a comma-separated list, dropping blanks."""
     return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off")
+
+
+def parse_bool(value: str) -> bool:
+    """A boolean from an environment value: one of :data:`TRUE_WORDS` or :data:`FALSE_WORDS`, in any case.
+
+    Anything else raises ValueError naming the accepted words: a typo (``ture``) must stop the service at start,
+    not read as false.
+    """
+    word = value.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ValueError(f"not a boolean: use one of {', '.join(TRUE_WORDS + FALSE_WORDS)} (any case)")
 
 
 def env_name(service: str, field: str) -> str:
@@ -48,7 +77,7 @@ def _parser_for(field: dataclasses.Field[Any]) -> Callable[[str], Any]:
         return parse
     default: object = field.default
     if isinstance(default, bool):
-        return lambda v: v.strip().lower() in {"1", "true", "yes", "on"}
+        return parse_bool
     if isinstance(default, int):
         return int
     if isinstance(default, float):
@@ -57,8 +86,8 @@ def _parser_for(field: dataclasses.Field[Any]) -> Callable[[str], Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type[Any], service: str) -> None:
-    """Add one ``--flag`` per field of ``cls``; env vars provide defaults."""
-    for field in dataclasses.fields(cls):
+    """Add one ``--flag`` per setting of ``cls``; env vars provide defaults."""
+    for field in settings(cls):
         flag = "--" + field.name.replace("_", "-")
         env = env_name(service, field.name)
         parse = _parser_for(field)
@@ -87,6 +116,35 @@ def check(condition: bool, message: str) -> None:
     """Raise ConfigError(message) unless condition holds."""
     if not condition:
         raise ConfigError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    """What router, worker and prober set alike about their gRPC server: address, ports, stop grace, ready file.
+
+    Each service's config inherits these (with :class:`~tokenmesh.tls.TlsSettings`) and calls
+    :meth:`check_server` from its ``__post_init__``; it redeclares ``port`` for its own default (a redeclared
+    field keeps its place, so every service lists its settings in the same order).
+    """
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(0, "gRPC port; 0 picks a free one")
+    health_port: int = setting(0, "also serve grpc.health.v1 alone (liveness, readiness, \"\"), plaintext, on this "
+                                  "port, for kubelet probes (which present no client certificate); 0 = off")
+    metrics_port: int = setting(0, "serve Prometheus metrics on http://host:PORT/metrics; 0 = off")
+    stop_grace_s: float = setting(1.0, "after the drain, how long calls still open (health watches and other "
+                                       "long streams) may take before they are ended")
+    ready_file: str = setting("", "write the server's address and pid (a worker's: also its Triton's url and pid) "
+                                  "as JSON here once SERVING")
+
+    def check_server(self) -> None:
+        """Validate the ports and the grace (ConfigError names the setting)."""
+        check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
+        check(0 <= self.metrics_port <= 65535, f"metrics_port must be 0..65535, got {self.metrics_port}")
+        check(not self.health_port or self.health_port != self.port,
+              f"health_port must differ from port ({self.port}); 0 turns it off")
+        check(self.stop_grace_s >= 0, f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
 
 
 _HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")

@@ -20,51 +20,53 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from tokenmesh.config import check
+from tokenmesh.config import check, not_a_setting, setting
 from tokenmesh.process import dies_with_parent, stop_process
 
 METERED = ("router", "worker", "prober")
 """The services that serve metrics of their own when MeshConfig.metrics is set."""
 
 
+def port_or_off(value: str) -> int | None:
+    """A port number, or ``off`` (None: not started)."""
+    return None if value.strip().lower() == "off" else int(value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """What ``tokenmesh up`` starts."""
+    """What ``tokenmesh up`` starts (flags ``--name``, env ``TOKENMESH_UP_NAME``; in code: ``Mesh(MeshConfig(...))``).
 
-    workers: int = 2
-    """Number of workers, each with its own Triton server."""
-    host: str = "127.0.0.1"
-    """Loopback address every service listens on."""
-    port: int = 50051
-    """Router port (0 picks a free one)."""
-    threads: int = 0
-    """llama.cpp threads per worker; 0 = the machine's cores divided by workers."""
-    slots: int = 0
-    """Concurrent generations per worker; 0 keeps the model's value."""
-    model_repository: str = ""
-    """Triton model repository for every worker; empty = the shipped SmolLM2 model."""
-    router_processes: int = 1
-    """Router processes sharing its port (``tokenmesh router --processes``)."""
-    triton_nice: int | None = None
-    """Niceness of every worker's Triton and model; None: 19 for the shipped SmolLM2, 0 for any other repository.
-
-    SmolLM2's llama.cpp computes on the same cores as the processes that relay its tokens; at equal
-    priority each relayed token waited for the scheduler to preempt it (SmolLM2, 8 streams: engine's first
-    token -> caller p50 10.7 ms, 3.2 ms niced). The synthetic model is the opposite: its per-token work is
-    Python, like the relays'; niced, it starved at 24k tokens/s (router_cost.py: mesh 14.3k tokens/s vs 22.4k).
+    Built in code it starts no gateway and no metrics unless asked; :class:`UpConfig` holds what the command
+    starts when told nothing else.
     """
-    gateway_port: int | None = None
-    """Port of the HTTP gateway in front of the router; None = no gateway, 0 = a free port (``up``: 8000)."""
-    tls_dir: str = ""
-    """Run router, workers and prober with mutual TLS, from the certificates ``tokenmesh certs`` made in this
-    folder (``<service>.crt``/``.key``, ``ca.crt``); empty = plaintext."""
-    metrics: bool = False
-    """Router, workers and prober serve Prometheus metrics, each on a free port (``Mesh.metrics_urls``)."""
-    log_dir: str = ""
-    """Write each service's log to <log_dir>/<name>.log; empty = our stderr."""
-    start_timeout_s: float = 240.0
-    """How long the services may take to become SERVING."""
-    extra_env: dict[str, str] = field(default_factory=dict)
+
+    workers: int = setting(2, "number of workers, each with its own Triton server")
+    host: str = setting("127.0.0.1", "address every service listens on")
+    port: int = setting(50051, "router port; 0 picks a free one")
+    threads: int = setting(0, "llama.cpp threads per worker; 0 = the machine's cores divided by the workers")
+    slots: int = setting(0, "concurrent generations per worker; 0 keeps the model's value")
+    model_repository: str = setting("", "Triton model repository for every worker; empty = the shipped model "
+                                        "(--model)")
+    router_processes: int = setting(1, "router processes sharing its port with SO_REUSEPORT (tokenmesh router "
+                                       "--processes)")
+    # SmolLM2's llama.cpp computes on the same cores as the processes that relay its tokens; at equal
+    # priority each relayed token waited for the scheduler to preempt it (SmolLM2, 8 streams: engine's first
+    # token -> caller p50 10.7 ms, 3.2 ms niced). The synthetic model is the opposite: its per-token work is
+    # Python, like the relays'; niced, it starved at 24k tokens/s (router_cost.py: mesh 14.3k tokens/s vs 22.4k).
+    triton_nice: int | None = setting(None, "niceness (0-19) of every worker's Triton and its model; unset: 19 for "
+                                            "the shipped SmolLM2 (llama.cpp then yields the cores at once to the "
+                                            "processes relaying its tokens), 0 for any other repository, such as the "
+                                            "synthetic model, whose per-token work is like theirs", parse=int)
+    gateway_port: int | None = setting(None, "port of the OpenAI-compatible HTTP gateway in front of the router; 0 "
+                                             "picks a free one; off (unset in code) = no gateway", parse=port_or_off)
+    tls_dir: str = setting("", "run every service with mutual TLS from the certificates in this folder "
+                               "(<service>.crt/.key and ca.crt, as tokenmesh certs makes them; tokenmesh up makes "
+                               "them there unless ca.crt exists); empty = plaintext (or --tls: a temporary folder)")
+    metrics: bool = setting(False, "router, workers and prober serve Prometheus metrics, each on a free port "
+                                   "(printed at start)")
+    log_dir: str = setting("", "write each service's log to LOG_DIR/<name>.log; empty = stderr")
+    start_timeout_s: float = setting(240.0, "how long the services may take to become SERVING")
+    extra_env: dict[str, str] = not_a_setting(dict)
     """Environment added for every child (tests set TOKENMESH_* knobs here)."""
 
     def __post_init__(self) -> None:
@@ -72,10 +74,13 @@ class MeshConfig:
         check(1 <= self.workers <= 64, f"workers must be 1..64, got {self.workers}")
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
         check(self.gateway_port is None or 0 <= self.gateway_port <= 65535,
-              f"gateway_port must be 0..65535 (or None: no gateway), got {self.gateway_port}")
+              f"gateway_port must be 0..65535 (or off: no gateway), got {self.gateway_port}")
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
+        check(self.slots >= 0, f"slots must be >= 0, got {self.slots}")
+        check(1 <= self.router_processes <= 64, f"router_processes must be 1..64, got {self.router_processes}")
         check(self.triton_nice is None or 0 <= self.triton_nice <= 19,
               f"triton_nice must be 0..19, got {self.triton_nice}")
+        check(self.start_timeout_s > 0, f"start_timeout_s must be > 0, got {self.start_timeout_s}")
 
     @property
     def engine_nice(self) -> int:
@@ -83,6 +88,19 @@ class MeshConfig:
         if self.triton_nice is not None:
             return self.triton_nice
         return 0 if self.model_repository else 19
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpConfig(MeshConfig):
+    """What ``tokenmesh up`` starts when told nothing else: the mesh with the gateway on 8000 and metrics on.
+
+    Only the defaults differ from :class:`MeshConfig` (redeclared fields keep their place).
+    """
+
+    gateway_port: int | None = setting(8000, "port of the OpenAI-compatible HTTP gateway in front of the router; 0 "
+                                             "picks a free one; off = no gateway", parse=port_or_off)
+    metrics: bool = setting(True, "router, workers and prober serve Prometheus metrics, each on a free port "
+                                  "(printed at start)")
 
 
 @dataclass

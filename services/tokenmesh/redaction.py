@@ -19,12 +19,24 @@ from collections import Counter
 
 import regex
 
+from tokenmesh.config import ConfigError, parse_bool
+
 CAPTURE_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 
 
 def capture_enabled() -> bool:
-    """Whether prompts and outputs may go into telemetry (redacted), per the opt-in variable."""
-    return os.environ.get(CAPTURE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    """Whether prompts and outputs may go into telemetry (redacted), per the opt-in variable.
+
+    Unset or empty is off (OpenTelemetry's rule for an empty variable); any other value that is not a boolean
+    word raises ConfigError naming the variable, so a typo cannot quietly leave capture off (or on).
+    """
+    value = os.environ.get(CAPTURE_ENV, "")
+    if not value.strip():
+        return False
+    try:
+        return parse_bool(value)
+    except ValueError as exc:
+        raise ConfigError(f"{CAPTURE_ENV}={value!r} is not valid: {exc}") from None
 
 
 _PATTERN = regex.compile(

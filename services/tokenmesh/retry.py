@@ -236,16 +236,3 @@ class Reconnect:
             kind = "failed permanently" if permanent else f"still failing after {b.deadline_s:g} s"
             self._log.error("%s to %s %s: %s", self.what, self.address, kind, describe(exc))
             raise
-
-
-async def retry_call(
-    what: str,
-    address: str,
-    attempt: Callable[[], Awaitable[T]],
-    backoff: Backoff,
-    logger: logging.Logger = log,
-    *,
-    loud: bool = True,
-) -> T:
-    """One call under the policy: ``Reconnect(what, address, backoff, logger, loud=loud).run(attempt)``."""
-    return await Reconnect(what, address, backoff, logger, loud=loud).run(attempt)

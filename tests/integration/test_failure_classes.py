@@ -234,7 +234,6 @@ async def test_triton_port_taken_before_it_binds_is_retried_on_new_ports(tmp_pat
         await backend.start()
         assert [m.name for m in backend.models()] == ["faulty"]
         assert not backend.endpoint.endswith(f":{taken}")
-        assert await backend.ready()
     finally:
         await backend.stop()
         held.close()

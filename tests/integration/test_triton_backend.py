@@ -61,7 +61,7 @@ async def test_restarting_an_external_triton_closes_the_old_client_and_channel(e
         assert old_channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN
         with pytest.raises(grpc.aio.UsageError, match="Channel is closed"):
             await old_client.is_server_live()
-        assert await backend.ready() and await backend.engine_stats() is not None
+        assert await backend.engine_stats() is not None  # the new client answers
     finally:
         await backend.stop()
 
@@ -121,7 +121,6 @@ async def test_restarting_an_external_triton_that_refuses_loads_reconnects(
         await backend.start()
         await backend.restart()
         assert "does not let clients load models; reconnecting without a reload" in caplog.text
-        assert await backend.ready()
         events: list[Delta | Finished] = []
         await run(backend.generate(GenerationParams(model="faulty", prompt="p", max_tokens=2)), events)
         assert events[-1] == Finished("length", 3, 2)

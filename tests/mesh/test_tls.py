@@ -12,14 +12,24 @@ from pathlib import Path
 import grpc
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from tests.support.fakes import FakeBackend
 from tests.support.mesh import wait_until
-from tokenmesh.certs import issue, load_ca, make_ca, make_dev_certs
+from tokenmesh.certs import issue, make_ca, make_dev_certs
 from tokenmesh.config import ConfigError
 from tokenmesh.router import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
+
+
+def load_ca(folder: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The CA make_dev_certs wrote in folder, to sign more certificates with (renewals, other identities)."""
+    cert = x509.load_pem_x509_certificate((folder / "ca.crt").read_bytes())
+    key = serialization.load_pem_private_key((folder / "ca.key").read_bytes(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    return cert, key
 
 
 def tls_flags(folder: Path, role: str, mode: str = "mtls") -> dict[str, str]:

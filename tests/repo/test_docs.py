@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 import re
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tokenmesh.config import env_name
+from tokenmesh.config import env_name, settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -52,11 +51,11 @@ def configs(gen: ModuleType) -> list[tuple[str, Any]]:
 
 def test_every_setting_has_help_and_a_row_in_the_configuration_reference(gen: ModuleType) -> None:
     found = configs(gen)
-    assert {"router", "worker", "prober", "gateway"} <= {name for name, _ in found}
+    assert {"router", "worker", "prober", "gateway", "up"} <= {name for name, _ in found}
     reference = (DOCS / "configuration.md").read_text()
     missing = []
     for service, cls in found:
-        for field in dataclasses.fields(cls):
+        for field in settings(cls):
             assert field.metadata.get("help"), f"{cls.__name__}.{field.name}: declare it with setting(default, help)"
             row = f"| `--{field.name.replace('_', '-')}` | `{env_name(service, field.name)}` |"
             if row not in reference:

@@ -125,9 +125,6 @@ class FakeBackend(Backend):
     def generate(self, params: GenerationParams) -> Generation:
         return FakeGeneration(self, params)
 
-    async def ready(self) -> bool:
-        return self.running
-
     @property
     def endpoint(self) -> str:
         return "memory"

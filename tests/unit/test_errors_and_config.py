@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 
+from tokenmesh.cli import build_parser
 from tokenmesh.config import ConfigError, add_arguments, from_namespace
 from tokenmesh.errors import classify_backend_message
-from tokenmesh.mesh import MeshConfig
+from tokenmesh.mesh import MeshConfig, UpConfig
+from tokenmesh.redaction import CAPTURE_ENV, capture_enabled
 from tokenmesh.router import RouterConfig
 from tokenmesh.v1 import worker_pb2
 from tokenmesh.worker import WorkerConfig
@@ -75,6 +80,96 @@ def test_bad_env_value_is_a_config_error(monkeypatch) -> None:
     monkeypatch.setenv("TOKENMESH_ROUTER_PORT", "many")
     with pytest.raises(ConfigError, match="TOKENMESH_ROUTER_PORT"):
         parse(RouterConfig, "router", [])
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("true", True), ("TRUE", True), (" Yes ", True), ("1", True), ("on", True),
+    ("false", False), ("False", False), ("NO", False), ("0", False), ("off", False),
+])
+def test_a_boolean_env_value_is_one_of_the_known_words_in_any_case(monkeypatch, value: str, expected: bool) -> None:
+    monkeypatch.setenv("TOKENMESH_WORKER_TRITON_TLS", value)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, WorkerConfig, "worker")
+    assert parser.parse_args([]).triton_tls is expected
+    assert parser.parse_args(["--no-triton-tls"]).triton_tls is False  # the flag still wins
+
+
+@pytest.mark.parametrize("value", ["ture", "2", "", "enabled", "y"])
+def test_a_boolean_env_value_that_is_no_known_word_is_refused_naming_the_variable(monkeypatch, value: str) -> None:
+    monkeypatch.setenv("TOKENMESH_WORKER_TRITON_TLS", value)
+    with pytest.raises(ConfigError) as refused:
+        parse(WorkerConfig, "worker", [])
+    assert str(refused.value) == (f"TOKENMESH_WORKER_TRITON_TLS={value!r} is not valid: not a boolean: use one of "
+                                  "true, 1, yes, on, false, 0, no, off (any case)")
+
+
+def test_the_content_capture_variable_takes_the_same_words_and_refuses_a_typo(monkeypatch) -> None:
+    monkeypatch.delenv(CAPTURE_ENV, raising=False)
+    assert capture_enabled() is False
+    for value, expected in (("", False), ("TRUE", True), ("off", False)):
+        monkeypatch.setenv(CAPTURE_ENV, value)
+        assert capture_enabled() is expected
+    monkeypatch.setenv(CAPTURE_ENV, "ture")
+    with pytest.raises(ConfigError, match=f"^{CAPTURE_ENV}='ture' is not valid: not a boolean: use one of true,"):
+        capture_enabled()
+
+
+def test_a_router_whose_capture_variable_has_a_typo_exits_2_at_start_naming_it() -> None:
+    env = {**os.environ, CAPTURE_ENV: "ture"}
+    done = subprocess.run([sys.executable, "-m", "tokenmesh", "router", "--port", "0", "--workers", "127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"tokenmesh router: error: {CAPTURE_ENV}='ture' is not valid: not a boolean")
+
+
+def test_up_takes_its_settings_from_flags_over_tokenmesh_up_variables_over_its_defaults(monkeypatch) -> None:
+    for name in [n for n in os.environ if n.startswith("TOKENMESH_")]:
+        monkeypatch.delenv(name)
+    assert from_namespace(UpConfig, build_parser().parse_args(["up"])) == UpConfig()
+    assert (UpConfig().gateway_port, UpConfig().metrics) == (8000, True)  # what the command starts
+    assert (MeshConfig().gateway_port, MeshConfig().metrics) == (None, False)  # a Mesh built in code: neither
+    monkeypatch.setenv("TOKENMESH_UP_WORKERS", "3")
+    monkeypatch.setenv("TOKENMESH_UP_GATEWAY_PORT", "off")
+    monkeypatch.setenv("TOKENMESH_UP_METRICS", "no")
+    monkeypatch.setenv("TOKENMESH_UP_TRITON_NICE", "7")
+    config = from_namespace(UpConfig, build_parser().parse_args(["up", "--workers", "4", "--port", "0"]))
+    assert (config.workers, config.port, config.gateway_port, config.metrics, config.triton_nice) == (4, 0, None, False,
+                                                                                                      7)
+    config = from_namespace(UpConfig, build_parser().parse_args(["up", "--gateway-port", "0", "--metrics"]))
+    assert (config.gateway_port, config.metrics) == (0, True)  # 0: a free port, as every port setting
+
+
+def _up(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMESH_")}
+    return subprocess.run([sys.executable, "-m", "tokenmesh", "up", *args], capture_output=True, text=True,
+                          timeout=60, env={**clean, **env})
+
+
+def test_up_check_config_prints_the_settings_and_starts_nothing() -> None:
+    done = _up("--model", "synthetic", "--check-config", TOKENMESH_UP_WORKERS="3", TOKENMESH_UP_GATEWAY_PORT="off")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:3] == ["workers = 3", "host = '127.0.0.1'", "port = 50051"]
+    assert "gateway_port = None" in lines and "metrics = True" in lines
+    assert any(line.startswith("model_repository = ") and "synthetic" in line for line in lines)
+    assert not any(line.startswith("extra_env") for line in lines)  # set in code only: no setting
+    assert "starting" not in done.stderr
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    ((), {"TOKENMESH_UP_WORKERS": "0"}, "tokenmesh up: error: workers must be 1..64, got 0"),
+    (("--model", "synthetic", "--model-repository", "/x"), {},
+     "tokenmesh up: error: give --model or --model-repository, not both"),
+    ((), {"TOKENMESH_UP_METRICS": "ture"}, "tokenmesh: error: TOKENMESH_UP_METRICS='ture' is not valid: not a "
+                                           "boolean: use one of true, 1, yes, on, false, 0, no, off (any case)"),
+])
+def test_up_refuses_invalid_settings_with_exit_2_naming_them(args: tuple[str, ...], env: dict[str, str],
+                                                              message: str) -> None:
+    done = _up(*args, "--check-config", **env)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == message
+    assert not done.stdout
 
 
 async def test_every_mesh_error_survives_the_wire_and_comes_back_as_itself() -> None:

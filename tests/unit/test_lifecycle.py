@@ -208,7 +208,9 @@ async def test_shutdown_is_idempotent_and_a_second_caller_waits_for_the_first() 
         await worker.start()
 
 
-async def test_unknown_health_names_get_not_found_and_allocate_nothing(mesh: InProcessMesh) -> None:
+async def test_unknown_health_names_get_not_found_or_service_unknown_and_allocate_nothing(
+    mesh: InProcessMesh,
+) -> None:
     health = mesh.router.host.health
     before = len(health._conditions)
     async with grpc.aio.insecure_channel(mesh.router.host.address) as channel:
@@ -217,10 +219,10 @@ async def test_unknown_health_names_get_not_found_and_allocate_nothing(mesh: InP
             with pytest.raises(grpc.aio.AioRpcError) as check:
                 await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=2)
             assert check.value.code() == grpc.StatusCode.NOT_FOUND
-            with pytest.raises(grpc.aio.AioRpcError) as watch:
-                await stub.Watch(health_pb2.HealthCheckRequest(service=name), timeout=2).read()
-            assert watch.value.code() == grpc.StatusCode.NOT_FOUND
-            assert "liveness" in (watch.value.details() or "")
+            assert "liveness" in (check.value.details() or "")
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service=name), timeout=2)
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            watch.cancel()
         for name in ("", "liveness", "readiness", "tokenmesh.v1.Inference", "grpc.health.v1.Health"):
             assert (await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=2)).status == SERVING
     assert len(health._conditions) == before

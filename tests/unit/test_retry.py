@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenmesh.errors import ResourceExhausted
-from tokenmesh.retry import Backoff, Reconnect, StreamEnded, is_transient, retry_call
+from tokenmesh.retry import Backoff, Reconnect, StreamEnded, is_transient
 
 FAST = Backoff(initial_s=0.01, max_s=0.02, warn_after=3)
 
@@ -57,7 +57,7 @@ async def test_transient_failures_are_retried_until_success() -> None:
             raise _error(grpc.StatusCode.UNAVAILABLE)
         return "ok"
 
-    assert await retry_call("test call", "peer:1", attempt, FAST) == "ok"
+    assert await Reconnect("test call", "peer:1", FAST).run(attempt) == "ok"
     assert len(calls) == 4
 
 
@@ -77,7 +77,7 @@ async def test_a_permanent_code_from_a_real_server_fails_at_once_and_loudly(capl
                 return await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
 
             with caplog.at_level(logging.ERROR), pytest.raises(grpc.aio.AioRpcError) as raised:
-                await retry_call("health check", f"127.0.0.1:{port}", attempt, FAST)
+                await Reconnect("health check", f"127.0.0.1:{port}", FAST).run(attempt)
     finally:
         await server.stop(0)
     assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -101,8 +101,8 @@ async def test_repeated_unavailable_warns_naming_the_address_then_gives_up_at_th
 
         started = time.monotonic()
         with caplog.at_level(logging.WARNING), pytest.raises(grpc.aio.AioRpcError) as raised:
-            await retry_call("health check", address, attempt, Backoff(initial_s=0.01, max_s=0.05, deadline_s=1.0,
-                                                                    warn_after=3))
+            await Reconnect("health check", address, Backoff(initial_s=0.01, max_s=0.05, deadline_s=1.0,
+                                                             warn_after=3)).run(attempt)
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     # Bounded by the deadline (1 s) plus one attempt and one wait; generous for a loaded 2-core machine.
     assert time.monotonic() - started < 5

@@ -89,7 +89,7 @@ class Prober(Service):
             ttft_slo_ms=config.ttft_slo_ms,
         )
         self.metrics = ProberMetrics()
-        self.metrics.watch(self)
+        self.metrics.watch(lambda: self.table, self.views, self.routers)
         self.metrics_endpoint = None
         self._next_version = int(time.time() * 1000)  # grows across prober restarts
         self._changed = asyncio.Event()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmesh.config import address_error, check, check_discovery, csv, setting
+from tokenmesh.config import ServerSettings, address_error, check, check_discovery, csv, setting
 from tokenmesh.router._pool import POLICIES
 from tokenmesh.tls import TlsSettings
 
@@ -13,13 +13,10 @@ DISCOVERY = ("static", "dns", "prober")
 
 
 @dataclass(frozen=True, kw_only=True)
-class RouterConfig(TlsSettings):
+class RouterConfig(ServerSettings, TlsSettings):
     """Settings of one router (flags ``--name``, env ``TOKENMESH_ROUTER_NAME``)."""
 
-    host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50051, "gRPC port; 0 picks a free one")
-    health_port: int = setting(0, "also serve grpc.health.v1 alone (liveness, readiness, \"\"), plaintext, on this "
-                                  "port, for kubelet probes (which present no client certificate); 0 = off")
     workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated (with --discovery dns: "
                                            "DNS names host:port, e.g. a headless Service's)", parse=csv)
     discovery: str = setting("static", "where workers come from: static (only --workers; a weight table naming "
@@ -29,8 +26,6 @@ class RouterConfig(TlsSettings):
     discovery_interval_s: float = setting(5.0, "with --discovery dns: seconds between lookups of the names")
     discovery_dns_server: str = setting("", "with --discovery dns: the DNS server ip:port to ask; empty = the "
                                             "system's (/etc/resolv.conf, with its search domains)")
-    metrics_port: int = setting(0, "serve Prometheus metrics on http://host:PORT/metrics; 0 = off (with "
-                                   "--processes N, process i serves on PORT + i)")
     metrics_tenants: tuple[str, ...] = setting((), "tenants (labels['tenant']) that get their own metric label, "
                                                    "comma-separated; every other tenant counts as 'other'", parse=csv)
     default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset")
@@ -48,11 +43,9 @@ class RouterConfig(TlsSettings):
     queue_timeout_s: float = setting(30.0, "longest wait for a worker slot before RESOURCE_EXHAUSTED")
     aging_s: float = setting(5.0, "a waiting generation rises one priority level per this many seconds")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
-    stop_grace_s: float = setting(1.0, "after the drain, how long calls still open (weight pushes, health "
-                                       "watches) may take before they are ended")
-    ready_file: str = setting("", "write {address, pid} as JSON here once SERVING")
     processes: int = setting(1, "router processes sharing the port (SO_REUSEPORT); each worker's limit is "
-                                "split among them and weight tables are passed on to all")
+                                "split among them and weight tables are passed on to all; with --metrics-port P, "
+                                "process i serves its metrics on P + i")
     process_index: int = setting(0, "internal: which of the --processes this one is (the first starts the others)")
     peers_dir: str = setting("", "internal: folder where the processes of one router list their private addresses")
     tls_allowed_clients: tuple[str, ...] = setting((), "with --tls-mode mtls: the identities (URI SANs, e.g. "
@@ -61,11 +54,7 @@ class RouterConfig(TlsSettings):
 
     def __post_init__(self) -> None:
         """Validate ranges."""
-        check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
-        check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
-        check(0 <= self.metrics_port <= 65535, f"metrics_port must be 0..65535, got {self.metrics_port}")
-        check(not self.health_port or self.health_port != self.port,
-              f"health_port must differ from port ({self.port}); 0 turns it off")
+        self.check_server()
         check(self.ttft_timeout_s > 0, f"ttft_timeout_s must be > 0, got {self.ttft_timeout_s}")
         check(self.stall_timeout_s > 0, f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         check(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
@@ -77,7 +66,6 @@ class RouterConfig(TlsSettings):
         check(self.queue_timeout_s > 0, f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
         check(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}")
         check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
-        check(self.stop_grace_s >= 0, f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
         check(self.default_max_tokens > 0, f"default_max_tokens must be > 0, got {self.default_max_tokens}")
         check(self.max_prompt_bytes > 0, f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         check(1 <= self.processes <= 64, f"processes must be 1..64, got {self.processes}")

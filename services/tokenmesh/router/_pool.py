@@ -287,13 +287,13 @@ class WorkerPool:
         index, count = self.share
         return (entry.limit + count - 1 - index) // count
 
-    def pick(self, model: str, free_only: bool = True, key: str = "") -> WorkerEntry | None:
+    def pick(self, model: str, key: str = "") -> WorkerEntry | None:
         """A live worker serving model with a free slot, by the policy; None if none is free.
 
         ``key`` identifies the request's prompt prefix (for the prefix policy).
         """
         live = [e for e in self.entries.values() if model in e.models and self.effective_weight(e) > 0]
-        candidates = [e for e in live if not free_only or e.in_flight < self.allowance(e)]
+        candidates = [e for e in live if e.in_flight < self.allowance(e)]
         if not candidates:
             return None
         if self.policy == "round-robin":

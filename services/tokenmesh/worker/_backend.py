@@ -139,10 +139,6 @@ class Backend(abc.ABC):
     def generate(self, params: GenerationParams) -> Generation:
         """Begin a generation."""
 
-    @abc.abstractmethod
-    async def ready(self) -> bool:
-        """True while the engine can take generations."""
-
     @property
     def pid(self) -> int | None:
         """PID of the engine process this backend started; None when it started none."""

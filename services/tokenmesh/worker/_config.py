@@ -6,19 +6,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmesh.config import check, setting
+from tokenmesh.config import ServerSettings, check, setting
 from tokenmesh.tls import TlsSettings
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerConfig(TlsSettings):
+class WorkerConfig(ServerSettings, TlsSettings):
     """Settings of one worker (flags ``--name``, env ``TOKENMESH_WORKER_NAME``)."""
 
-    host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50061, "gRPC port; 0 picks a free one")
-    health_port: int = setting(0, "also serve grpc.health.v1 alone (liveness, readiness, \"\"), plaintext, on this "
-                                  "port, for kubelet probes (which present no client certificate); 0 = off")
-    metrics_port: int = setting(0, "serve Prometheus metrics on http://host:PORT/metrics; 0 = off")
     triton_url: str = setting("", "use this running Triton (host:port, e.g. a sidecar) instead of starting one")
     triton_tls: bool = setting(False, "with --triton-url: reach that Triton over TLS, verifying it against "
                                       "--tls-ca and, with --tls-mode mtls, presenting --tls-cert (Triton's "
@@ -40,28 +36,20 @@ class WorkerConfig(TlsSettings):
     replay_buffer_bytes: int = setting(1024 * 1024, "per-generation replay buffer; a reader further behind fails")
     memory_threshold: float = setting(0.92, "device memory fraction above which no generation is added")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
-    stop_grace_s: float = setting(1.0, "after the drain, how long calls still open (stats streams, health "
-                                       "watches, resumes) may take before they are ended")
     backend_restart_timeout_s: float = setting(600.0, "a Triton that cannot be restarted within this stops the "
                                                       "worker with a non-zero exit (its supervisor restarts it)")
-    ready_file: str = setting("", "write {address, triton_url, pid, triton_pid} as JSON here once SERVING")
 
     def __post_init__(self) -> None:
         """Validate ranges."""
         self.check_tls()
         check(not self.triton_tls or (bool(self.triton_url) and self.tls_mode != "off"),
               "--triton-tls needs --triton-url and --tls-mode tls or mtls (its CA, and for mtls its certificate)")
-        check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
-        check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
-        check(0 <= self.metrics_port <= 65535, f"metrics_port must be 0..65535, got {self.metrics_port}")
-        check(not self.health_port or self.health_port != self.port,
-              f"health_port must differ from port ({self.port}); 0 turns it off")
+        self.check_server()
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         check(self.slots >= 0, f"slots must be >= 0, got {self.slots}")
         check(0 <= self.triton_nice <= 19, f"triton_nice must be 0..19, got {self.triton_nice}")
         check(0 < self.memory_threshold <= 1, f"memory_threshold must be in (0, 1], got {self.memory_threshold}")
         check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
-        check(self.stop_grace_s >= 0, f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
         check(self.backend_restart_timeout_s > 0,
               f"backend_restart_timeout_s must be > 0, got {self.backend_restart_timeout_s}")
         check(self.resume_grace_s > 0, f"resume_grace_s must be > 0, got {self.resume_grace_s}")

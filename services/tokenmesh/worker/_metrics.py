@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -12,9 +12,26 @@ from prometheus_client.registry import Collector
 from tokenmesh.errors import label
 from tokenmesh.metrics import ITL_BUCKETS, TTFT_BUCKETS
 from tokenmesh.v1 import inference_pb2, worker_pb2
+from tokenmesh.worker._limits import Limits
+from tokenmesh.worker._telemetry import Telemetry
 
-if TYPE_CHECKING:
-    from tokenmesh.worker._servicer import WorkerServicer
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerState:
+    """What the scrape-time gauges read of a worker: its parts, not the servicer (no import back from here)."""
+
+    limits: Limits
+    telemetry: Telemetry
+    in_flight: Callable[[], int]
+    """Generations started and not settled."""
+    serving: Callable[[], bool]
+    """Whether Generate accepts new generations."""
+    has_model: Callable[[], bool]
+    """Whether the backend has a model loaded (the concurrency limit is known then)."""
+    held: Callable[[], int]
+    """Generations held for Resume."""
+    restarts: Callable[[], int]
+    """Times the worker restarted its engine."""
 
 
 class WorkerMetrics:
@@ -43,9 +60,9 @@ class WorkerMetrics:
         self.output_tokens = Counter("tokenmesh_worker_generation_tokens_total", "Tokens the engine produced",
                                      registry=r)
 
-    def watch(self, servicer: WorkerServicer) -> None:
+    def watch(self, state: WorkerState) -> None:
         """Report the worker's state and its engine's queue at every scrape."""
-        self.registry.register(_StateCollector(servicer))
+        self.registry.register(_StateCollector(state))
 
     def timing(self, ttft_s: float | None, gap_s: float | None) -> None:
         """The engine's first token, or its time per token between two responses."""
@@ -79,24 +96,25 @@ def error_label(error_class: worker_pb2.ErrorClass) -> str:
 
 
 class _StateCollector(Collector):
-    def __init__(self, servicer: WorkerServicer) -> None:
-        self._servicer = servicer
+    def __init__(self, state: WorkerState) -> None:
+        self._state = state
 
     def collect(self) -> Iterator[Metric]:
-        s = self._servicer
+        s = self._state
         t = s.telemetry
-        yield GaugeMetricFamily("tokenmesh_worker_in_flight", "Generations running on this worker", value=s.in_flight)
+        in_flight = s.in_flight()
+        yield GaugeMetricFamily("tokenmesh_worker_in_flight", "Generations running on this worker", value=in_flight)
         yield GaugeMetricFamily("tokenmesh_worker_concurrency_limit", "The limit the worker reports to routers",
-                                value=s.limits.concurrency_limit(s.in_flight) if s.backend_models() else 0)
+                                value=s.limits.concurrency_limit(in_flight) if s.has_model() else 0)
         yield GaugeMetricFamily("tokenmesh_worker_serving", "1 while health is SERVING",
-                                value=1.0 if s.serving else 0.0)
+                                value=1.0 if s.serving() else 0.0)
         yield GaugeMetricFamily("tokenmesh_worker_held_generations",
                                 "Generations held for Resume (running or finished, within the resume grace)",
-                                value=len(s.registry.records))
+                                value=s.held())
         yield GaugeMetricFamily("tokenmesh_worker_out_of_memory_total", "Device out-of-memory failures seen",
                                 value=s.limits.oom_total)
         yield GaugeMetricFamily("tokenmesh_worker_backend_restarts_total", "Times the worker restarted its Triton",
-                                value=s.backend_restarts)
+                                value=s.restarts())
         if t.engine_pending is not None:
             yield GaugeMetricFamily("tokenmesh_worker_triton_pending",
                                     "Requests waiting in Triton's own scheduler queue (nv_inference_pending_request_"

@@ -19,7 +19,7 @@ from tokenmesh.validation import check_max_tokens, check_request, require_reques
 from tokenmesh.worker._backend import Backend, BackendError, GenerationParams, ModelSpec
 from tokenmesh.worker._devices import DeviceReader
 from tokenmesh.worker._limits import Limits
-from tokenmesh.worker._metrics import WorkerMetrics
+from tokenmesh.worker._metrics import WorkerMetrics, WorkerState
 from tokenmesh.worker._registry import Record, Registry
 from tokenmesh.worker._telemetry import Telemetry
 
@@ -126,7 +126,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._cuda_visible_devices = cuda_visible_devices
         self.tracer = trace.NoOpTracer()
         self.metrics = WorkerMetrics()
-        self.metrics.watch(self)
         self.registry = Registry(resume_grace_s, replay_buffer_bytes, self._settled, self._failed, self._timing)
         self.limits = Limits(backend, memory_threshold)
         self.telemetry = Telemetry(backend)
@@ -138,6 +137,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.device_lost = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
+        self.metrics.watch(WorkerState(
+            limits=self.limits, telemetry=self.telemetry, in_flight=lambda: self.in_flight,
+            serving=lambda: self.serving, has_model=self.backend_models, held=lambda: len(self.registry.records),
+            restarts=lambda: self.backend_restarts,
+        ))
 
     def _failed(self, record: Record, error: BackendError) -> None:
         if error.error_class == worker_pb2.ERROR_CLASS_OUT_OF_MEMORY:

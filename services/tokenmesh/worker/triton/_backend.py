@@ -163,18 +163,6 @@ class TritonBackend(Backend):
             specs.append(ModelSpec(name=name, max_context=max_context, slots=slots, chat=chat))
         return specs
 
-    async def ready(self) -> bool:
-        """True when Triton answers and every model is READY."""
-        if self._client is None or (self.process is not None and self.process.exited()):
-            return False
-        try:
-            for spec in self._models:
-                if not await self._client.is_model_ready(spec.name, client_timeout=2):
-                    return False
-        except InferenceServerException:
-            return False
-        return True
-
     @property
     def metrics_url(self) -> str | None:
         """Triton's Prometheus endpoint: ours, or the one configured for an external Triton."""

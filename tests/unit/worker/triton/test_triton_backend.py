@@ -45,9 +45,6 @@ class FakeClient:
             inputs.append({"name": "messages"})
         return {"config": {"name": name, "parameters": parameters, "input": inputs}}
 
-    async def is_model_ready(self, name: str, client_timeout: float) -> bool:
-        return not self.closed
-
     async def load_model(self, name: str) -> None:
         assert not self.closed
         self.loaded.append(name)
@@ -100,7 +97,6 @@ async def test_start_polls_while_triton_is_unreachable_or_loading_then_reads_the
         await backend.start()
         assert backend.models() == [ModelSpec(name="m", max_context=2048, slots=2)]
         assert FakeClient.made[0].index_calls == 4
-        assert await backend.ready()
     finally:
         await backend.stop()
 
@@ -166,7 +162,7 @@ async def test_restarting_an_external_triton_reloads_and_closes_the_client_and_c
         first, second = FakeClient.made
         assert first.loaded == ["m"] and first.closed and not second.closed
         assert old_channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN
-        assert backend._channel is not old_channel and await backend.ready()
+        assert backend._channel is not old_channel
     finally:
         await backend.stop()
     assert all(c.closed for c in FakeClient.made)
