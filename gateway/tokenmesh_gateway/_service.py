@@ -81,12 +81,13 @@ class Gateway(Lifecycle):
         """Listen and serve."""
         cfg = self.config
         keys = load_keys(cfg.api_keys_file) if cfg.api_keys_file else None
-        # To the routers as the gateway identity (mtls), verifying them (tls and mtls).
+        self.tracing = Tracing("gateway")
+        # To the routers as the gateway identity (mtls), verifying them (tls and mtls); RPC spans while tracing.
         self.client = Client(cfg.routers, retry_deadline_s=cfg.retry_deadline_s, max_resumes=cfg.max_resumes,
-                             credentials=self._tls.credentials(), server_name=cfg.tls_server_name)
+                             credentials=self._tls.credentials(), server_name=cfg.tls_server_name,
+                             tracing=self.tracing)
         if cfg.tls_mode != "off":
             self.spawn(self._follow_certificates(), "certificate renewals")
-        self.tracing = Tracing("gateway")
         self.app = GatewayApp(self.client, cfg, keys)
         self.app.tracer = self.tracing.tracer
         self._socket = _listen(cfg.host, cfg.port)

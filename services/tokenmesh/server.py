@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha._async import ReflectionServicer as _AsyncReflectio
 from tokenmesh.errors import ErrorInterceptor
 from tokenmesh.health import LIVENESS, NOT_SERVING, SERVING, HealthServicer
 from tokenmesh.tls import Tls
+from tokenmesh.tracing import Tracing, server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class ServiceHost:
         health_port: also serve ``grpc.health.v1`` alone, plaintext, on this port (0: not).
         tls: TLS (or mutual TLS, with per-RPC identity checks) on the main port; the health port stays plaintext.
         max_streams_per_connection: HTTP/2 streams one client connection may have open at once (0: gRPC's default).
+        tracing: the service's tracing: while on, every call on the main port gets an RPC span (the health-only
+            port's kubelet probes do not).
 
     """
 
@@ -105,7 +108,7 @@ class ServiceHost:
 
     def __init__(
         self, host: str, port: int, service_names: Iterable[str], *, shared_port: bool = False, health_port: int = 0,
-        tls: Tls | None = None, max_streams_per_connection: int = 0,
+        tls: Tls | None = None, max_streams_per_connection: int = 0, tracing: Tracing | None = None,
     ) -> None:
         options = SERVER_OPTIONS
         if max_streams_per_connection:
@@ -114,7 +117,9 @@ class ServiceHost:
             options = (*(o for o in SERVER_OPTIONS if o[0] != "grpc.so_reuseport"), ("grpc.so_reuseport", 1))
         self.tls = tls if tls is not None and tls.on else None
         authorize = self.tls.authorize if self.tls is not None and self.tls.mode == "mtls" else None
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(authorize)], options=options)
+        # The span's interceptor first, so it sees the status the error interceptor sets (and an unauthorized peer).
+        interceptors = [*server_interceptors(tracing), ErrorInterceptor(authorize)]
+        self.server = grpc.aio.server(interceptors=interceptors, options=options)
         self._shared_port = shared_port
         self.private_address = ""
         self._names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]

@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives import serialization
 
 from tokenmesh.config import ConfigError, check, setting
 from tokenmesh.errors import PermissionDenied
+from tokenmesh.tracing import Tracing, client_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +96,16 @@ def _load(path: str, flag: str, parse: Any) -> Any:
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None,
-                 options: tuple[tuple[str, Any], ...] = ()) -> grpc.aio.Channel:
-    """A channel to address: plaintext without credentials, else TLS (every channel to a mesh peer opens here)."""
+                 options: tuple[tuple[str, Any], ...] = (), tracing: Tracing | None = None) -> grpc.aio.Channel:
+    """A channel to address: plaintext without credentials, else TLS (every channel to a mesh peer opens here).
+
+    With tracing on, each call on it gets an RPC span (:func:`tokenmesh.tracing.client_interceptors`); off, the
+    channel has no interceptor at all.
+    """
+    interceptors = client_interceptors(tracing, address) or None
     if credentials is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, credentials, options=options)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
 class Tls:
@@ -109,6 +115,7 @@ class Tls:
         settings: the service's ``--tls-*`` settings (checked already).
         allowed_clients: with mtls, the identities ``Inference`` accepts (empty: any the CA signed).
         siblings: this router runs as several processes, which pass weight tables on to each other.
+        tracing: the service's tracing: while on, every call on the channels it opens gets an RPC span.
 
     """
 
@@ -120,10 +127,12 @@ class Tls:
     _siblings: bool
     _seen: tuple[bytes, bytes, bytes] | None
     """The certificate files as :meth:`files_changed` last saw them."""
+    _tracing: Tracing | None
 
     def __init__(self, settings: TlsSettings, allowed_clients: tuple[str, ...] = (), *,
-                 siblings: bool = False) -> None:
+                 siblings: bool = False, tracing: Tracing | None = None) -> None:
         self.mode = settings.tls_mode
+        self._tracing = tracing
         self._siblings = siblings
         self._settings = settings
         self._allowed_clients = frozenset(allowed_clients)
@@ -196,7 +205,7 @@ class Tls:
         credentials = self.credentials()
         if credentials is not None and self._settings.tls_server_name:
             options = (*options, ("grpc.ssl_target_name_override", self._settings.tls_server_name))
-        return open_channel(address, credentials, options)
+        return open_channel(address, credentials, options, self._tracing)
 
     def authorize(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Raise PermissionDenied unless the peer's identity may call method (mtls only; otherwise a no-op)."""

@@ -1,9 +1,14 @@
 """OpenTelemetry traces, configured by the standard ``OTEL_*`` environment variables; off without an endpoint.
 
 One trace per generation: the caller's W3C ``traceparent`` (gRPC metadata, or
-the gateway's HTTP header) is the parent of the router's span, whose context
-travels to the worker inside the start command, so the worker's span is its
-child. Span names and attributes follow the GenAI semantic conventions
+the gateway's HTTP header) is the parent of the router's RPC server span, the
+generation's span its child; the router's call to the worker (a client RPC
+span, the generation span's child) carries the context on to the worker's RPC
+server span and its generation span. The RPC spans come from
+``opentelemetry-instrumentation-grpc`` (:mod:`tokenmesh._rpc_spans`), on every
+server (:func:`server_interceptors`) and channel (:func:`client_interceptors`)
+of the mesh, and only while tracing is on: off, no interceptor is added at
+all (and the instrumentation is not imported). Span names and attributes follow the GenAI semantic conventions
 (``{operation} {model}``, ``gen_ai.request.model``, ``gen_ai.usage.*``...),
 plus tokenmesh's own (``tokenmesh.worker``, ``tokenmesh.queue_ms``...). No
 prompt or output text goes into a span.
@@ -24,6 +29,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -83,11 +89,56 @@ class Tracing:
         if self._provider is not None:
             self._provider.force_flush()
 
+    @property
+    def on(self) -> bool:
+        """Whether spans are recorded and exported (a provider of the service's own)."""
+        return self._provider is not None
+
+    @property
+    def provider(self) -> Any:
+        """The service's TracerProvider (None while tracing is off): the RPC span interceptors' too."""
+        return self._provider
+
+
+def server_interceptors(tracing: Tracing | None) -> list[grpc.aio.ServerInterceptor]:
+    """A server's RPC span interceptor, to put first (outermost); none while tracing is off."""
+    if tracing is None or not tracing.on:
+        return []
+    from tokenmesh._rpc_spans import server_interceptor  # the instrumentation loads only when on
+
+    return [server_interceptor(tracing.provider)]
+
+
+def client_interceptors(tracing: Tracing | None, target: str) -> list[grpc.aio.ClientInterceptor]:
+    """A channel's RPC span interceptors (``server.address`` from target); none while tracing is off.
+
+    The one place every channel of the mesh gets them (:func:`tokenmesh.tls.open_channel`). A ``traceparent``
+    the caller puts in a call's metadata is the client span's parent (the gateway's request span, the router's
+    generation span); otherwise the current span is.
+    """
+    if tracing is None or not tracing.on:
+        return []
+    from tokenmesh._rpc_spans import client_interceptors as interceptors
+
+    return interceptors(tracing.provider, target)
+
 
 def from_metadata(metadata: Iterable[tuple[str, Any]] | None) -> Context:
     """The caller's trace context from gRPC metadata (an empty one when it sent none or a malformed one)."""
     carrier = {k: v for k, v in (metadata or ()) if k in ("traceparent", "tracestate") and isinstance(v, str)}
     return PROPAGATOR.extract(carrier)
+
+
+def parent(metadata: Iterable[tuple[str, Any]] | None) -> Context | None:
+    """The parent of a handler's span: the call's RPC server span, else the caller's ``traceparent`` in metadata.
+
+    None means the current context, where the RPC span is (:func:`server_interceptors`, while this service traces
+    and the call's service is not excluded); without one, the caller's context from metadata (a no-op span carries
+    it on).
+    """
+    if trace.get_current_span().get_span_context().is_valid:
+        return None
+    return from_metadata(metadata)
 
 
 def from_mapping(carrier: Mapping[str, str]) -> Context:

@@ -89,7 +89,8 @@ async def test_tritons_spans_are_children_of_the_workers(tmp_path: Path, triton_
             break
         await asyncio.sleep(0.1)
     ours = [s for service, s in receiver.spans() if service == "tokenmesh-worker"]
-    worker_span = next(s for s in ours if s.trace_id.hex() == TRACE_ID)
+    # The worker's generation span (its RPC server span, /tokenmesh.v1.Worker/Generate, is in the trace too).
+    worker_span = next(s for s in ours if s.trace_id.hex() == TRACE_ID and s.name.startswith("generate "))
     infer = [s for s in TritonSpans.spans if s[0] == "InferRequest" and s[1] == TRACE_ID]
     assert infer, TritonSpans.spans
     assert infer[0][3] == worker_span.span_id.hex()  # Triton's request span is the worker span's child

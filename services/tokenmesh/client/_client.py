@@ -38,6 +38,7 @@ from tokenmesh.links import Links
 from tokenmesh.retry import Backoff, Reconnect, StreamEnded, describe, is_transient
 from tokenmesh.server import CHANNEL_OPTIONS
 from tokenmesh.tls import open_channel
+from tokenmesh.tracing import Tracing
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class Client:
         credentials: TLS (or mutual TLS) to the routers, e.g. ``grpc.ssl_channel_credentials(ca, key, cert)``;
             None: plaintext.
         server_name: with credentials, the name to verify in the routers' certificates ('' = each address's host).
+        tracing: RPC spans of its calls while on (a ``traceparent`` in a call's metadata is their parent).
 
     """
 
@@ -76,6 +78,7 @@ class Client:
     initial_backoff_s: float
     _background: set[asyncio.Task[Any]]
     _credentials: grpc.ChannelCredentials | None
+    _tracing: Tracing | None
 
     def __init__(
         self,
@@ -86,6 +89,7 @@ class Client:
         initial_backoff_s: float = 0.05,
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str = "",
+        tracing: Tracing | None = None,
     ) -> None:
         names = tuple(a.strip() for a in (routers.split(",") if isinstance(routers, str) else routers) if a.strip())
         if not names:
@@ -107,6 +111,7 @@ class Client:
         self.initial_backoff_s = initial_backoff_s
         self._background = set()
         self._credentials = credentials
+        self._tracing = tracing
 
     async def __aenter__(self) -> Self:
         return self
@@ -169,7 +174,7 @@ class Client:
 
     def _channel(self, address: str, options: tuple[tuple[str, Any], ...]) -> grpc.aio.Channel:
         """A channel to a router with the credentials of now."""
-        return open_channel(address, self._credentials, options)
+        return open_channel(address, self._credentials, options, self._tracing)
 
     def _stub(self, address: str) -> inference_pb2_grpc.InferenceStub:
         return self._links.open(address).stub(inference_pb2_grpc.InferenceStub)

@@ -30,6 +30,7 @@ from tokenmesh.prober._weights import Scoring, WorkerView, compute_weight, nonse
 from tokenmesh.retry import Reconnect, StreamEnded, failure_name, write
 from tokenmesh.server import CHANNEL_OPTIONS, ServiceHost, write_ready_file
 from tokenmesh.tls import Tls
+from tokenmesh.tracing import Tracing
 from tokenmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class Prober(Service):
     scoring: Scoring
     metrics: ProberMetrics
     tls: Tls
+    tracing: Tracing
+    """RPC spans of its probes and its weight pushes, and of the calls it serves (OTEL_* variables; off by default)."""
     metrics_endpoint: MetricsEndpoint | None
     _next_version: int
     _changed: asyncio.Event
@@ -76,8 +79,10 @@ class Prober(Service):
     """The names' lookups (--discovery dns): workers, then routers."""
 
     def __init__(self, config: ProberConfig) -> None:
-        self.tls = Tls(config)
-        host = ServiceHost(config.host, config.port, [], health_port=config.health_port, tls=self.tls)
+        self.tracing = Tracing("prober")
+        self.tls = Tls(config, tracing=self.tracing)
+        host = ServiceHost(config.host, config.port, [], health_port=config.health_port, tls=self.tls,
+                           tracing=self.tracing)
         super().__init__(host, drain_grace_s=0, stop_grace_s=config.stop_grace_s)
         self.config = config
         self.views = {}
@@ -321,3 +326,4 @@ class Prober(Service):
             self.metrics_endpoint.close()
         await self.worker_links.close()
         await self.router_links.close()
+        await asyncio.to_thread(self.tracing.shutdown)  # exports what is pending (blocking I/O)

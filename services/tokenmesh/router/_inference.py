@@ -135,8 +135,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 attempts += 1
                 try:
                     start = start_command(forward, progress, context, resumable=bool(request.request_id),
-                                          trace_context=observe.trace_context)
-                    relay = self._relay.run(entry, start, live, progress)
+                                          trace_context=observe.start_context)
+                    relay = self._relay.run(entry, start, live, progress, observe.call_context)
                     observe.attempt(entry.address)
                     async with contextlib.aclosing(relay):
                         async for piece in relay:

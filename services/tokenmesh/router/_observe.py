@@ -7,6 +7,12 @@ no-op one, whose span records nothing and carries the caller's trace context
 on to the worker. The per-chunk method is chosen once, when the span starts:
 with a span that does not record it is the metrics' own, so the hot path does
 no tracing work.
+
+While the router traces, the generation's span is the child of its call's RPC
+server span, and each attempt's worker call is opened for the generation
+(not a spare) with the span's context in its metadata, so the call's RPC
+spans and the worker's are its children. Not tracing, the caller's context
+(if any) goes to the worker in the start command, on a spare call.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from tokenmesh.errors import MeshError, label
 from tokenmesh.redaction import StreamRedactor, redact
 from tokenmesh.router._metrics import GenerationMetrics
 from tokenmesh.router._outcome import WorkerFailed
-from tokenmesh.tracing import from_metadata, inject, operation
+from tokenmesh.tracing import inject, operation, parent
 from tokenmesh.v1 import inference_pb2
 
 
@@ -34,7 +40,10 @@ def generation_span(
     prefixed: bool,
     capture_content: bool,
 ) -> trace.Span:
-    """The generation's span, child of the caller's trace context (GenAI semantic conventions).
+    """The generation's span (GenAI semantic conventions), child of the call's RPC server span, else of the caller's.
+
+    Under the RPC span it is an INTERNAL span; without one (tracing off, or the service excluded from RPC spans) it
+    is the caller's SERVER span.
 
     Args:
         tracer: the router's tracer (the no-op one while tracing is off).
@@ -46,8 +55,10 @@ def generation_span(
 
     """
     name = operation(bool(base.messages))
+    context = parent(metadata)
     span = tracer.start_span(
-        f"{name} {base.model}", context=from_metadata(metadata), kind=trace.SpanKind.SERVER,
+        f"{name} {base.model}", context=context,
+        kind=trace.SpanKind.INTERNAL if context is None else trace.SpanKind.SERVER,
         attributes={
             "gen_ai.operation.name": name, "gen_ai.system": "tokenmesh", "gen_ai.request.model": base.model,
             "gen_ai.request.max_tokens": base.max_tokens, "gen_ai.response.id": base.request_id,
@@ -73,6 +84,10 @@ class Observation:
     span: trace.Span
     trace_context: dict[str, str]
     """The W3C headers that make the span the parent of the worker's (the caller's context when not recording)."""
+    call_context: dict[str, str]
+    """Recording: trace_context, for the metadata of a worker call of the generation's own; else empty (a spare)."""
+    start_context: dict[str, str]
+    """Not recording: trace_context, for the start command on a spare call; else empty (it is in the metadata)."""
     chunk: Callable[[inference_pb2.GenerateChunk, str], None]
     """Count (and, recording, trace) a chunk relayed from a worker: ``chunk(piece, worker_address)``."""
     _redactor: StreamRedactor | None
@@ -85,6 +100,8 @@ class Observation:
         self.span = span
         self.trace_context = inject(span)
         recording = span.is_recording()
+        # A spare was opened during an earlier generation: a traced one opens its own (its RPC spans in its trace).
+        self.call_context, self.start_context = (self.trace_context, {}) if recording else ({}, self.trace_context)
         self._redactor = StreamRedactor() if recording and capture_content else None
         self._output = []
         # Chosen once: with a span that does not record, a chunk costs what the metrics alone cost.

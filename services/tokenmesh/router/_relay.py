@@ -195,23 +195,24 @@ class Relay:
         self._spares = spares
         self._cancels = cancels
 
-    async def run(self, entry: WorkerEntry, start: worker_pb2.WorkerCommand, live: Live,
-                  progress: Progress) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
+    async def run(self, entry: WorkerEntry, start: worker_pb2.WorkerCommand, live: Live, progress: Progress,
+                  trace_context: dict[str, str] | None = None) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
         """Run start (see :func:`start_command`) on entry's worker, its chunks numbered after progress.seq.
 
         Raises WorkerFailed when the worker is at fault (it died, stalled, or
         reported a backend failure), so the caller's stream can continue
         elsewhere. When the caller goes away from a resumable generation (one
         with a caller-chosen request_id) the worker keeps it for Resume;
-        otherwise the worker is told to stop.
+        otherwise the worker is told to stop. With trace_context (a traced generation) the call is opened for it
+        with that context in its metadata, not taken from the spares (:mod:`tokenmesh.router._spares`).
         """
         forward = start.start
-        call = self._spares.take(entry.address)
+        call = self._spares.take(entry.address, trace_context)
         live.call = call
         watchdog = StallWatchdog(call, self._ttft_timeout_s, self._stall_timeout_s)
         received = finished = detach = False
         try:
-            await self._start(call, entry.address, live, start)
+            await self._start(call, entry.address, live, start, open_spare=not trace_context)
             while True:
                 watchdog.reading()
                 event = await call.read()
@@ -255,10 +256,11 @@ class Relay:
                 self._cancels.abandon(entry.address, forward.request_id)
 
     async def _start(self, call: grpc.aio.StreamStreamCall[Any, Any], address: str, live: Live,
-                     start: worker_pb2.WorkerCommand) -> None:
+                     start: worker_pb2.WorkerCommand, *, open_spare: bool) -> None:
         """Send the start command; open the next spare while this one waits for its first token."""
         await write(call, start)  # a spare the worker ended meanwhile: its status, failed over
-        self._spares.open(address)
+        if open_spare:  # a traced generation opened a call of its own and leaves the spares as they are
+            self._spares.open(address)
         if live.cancelled.done():  # Cancel came while the start was on its way
             await write(call, worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
 
@@ -278,7 +280,8 @@ def start_command(
         progress: what reached the caller before.
         context: the caller's call (its deadline).
         resumable: the worker keeps the generation for Resume when the caller goes away (a caller-chosen id).
-        trace_context: the W3C headers that make the router's span the parent of the worker's.
+        trace_context: the W3C headers that make the router's span the parent of the worker's, when the router does
+            not trace (the caller's context; tracing, they go in the worker call's metadata instead).
 
     """
     start = worker_pb2.WorkerCommand(

@@ -164,10 +164,11 @@ class Router(Service):
             router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
             router_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
         ]
-        self.tls = Tls(config, config.tls_allowed_clients, siblings=config.processes > 1)
+        self.tracing = Tracing("router")  # first: the server and every channel take its RPC span interceptors
+        self.tls = Tls(config, config.tls_allowed_clients, siblings=config.processes > 1, tracing=self.tracing)
         host = ServiceHost(config.host, config.port, names, shared_port=config.processes > 1,
                            health_port=config.health_port, tls=self.tls,
-                           max_streams_per_connection=config.max_streams_per_connection)
+                           max_streams_per_connection=config.max_streams_per_connection, tracing=self.tracing)
         super().__init__(host, drain_grace_s=config.drain_grace_s, stop_grace_s=config.stop_grace_s)
         self.config = config
         self.pool = WorkerPool(policy=config.policy, share=(config.process_index, config.processes))
@@ -190,7 +191,6 @@ class Router(Service):
         self.tls.denied = lambda group: self.metrics.denied.labels(group).inc()
         self.metrics.watch(self.pool, self.admission)
         self.inference = InferenceServicer(config, self.pool, self.links, self.admission, self.metrics)
-        self.tracing = Tracing("router")
         self.inference.tracer = self.tracing.tracer
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool, self.admission), host.server)

@@ -56,8 +56,10 @@ class Worker(Service):
 
     def __init__(self, config: WorkerConfig, backend: Backend | None = None) -> None:
         service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+        self.tracing = Tracing("worker")  # first: the server takes its RPC span interceptor
         tls = Tls(config)
-        host = ServiceHost(config.host, config.port, [service_name], health_port=config.health_port, tls=tls)
+        host = ServiceHost(config.host, config.port, [service_name], health_port=config.health_port, tls=tls,
+                           tracing=self.tracing)
         super().__init__(host, drain_grace_s=config.drain_grace_s, stop_grace_s=config.stop_grace_s)
         self.config = config
         self._tmp = None
@@ -73,7 +75,6 @@ class Worker(Service):
         )
         self.servicer.metrics.enabled = bool(config.metrics_port)
         tls.denied = lambda group: self.servicer.metrics.denied.labels(group).inc()
-        self.tracing = Tracing("worker")
         self.servicer.tracer = self.tracing.tracer
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, host.server)
 

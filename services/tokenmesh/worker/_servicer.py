@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -13,7 +13,7 @@ from opentelemetry.trace import StatusCode
 
 from tokenmesh import logs
 from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable, label
-from tokenmesh.tracing import from_mapping, inject
+from tokenmesh.tracing import from_mapping, inject, parent
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.validation import check_max_tokens, check_request, require_request_id
 from tokenmesh.worker._backend import Backend, BackendError, GenerationParams, ModelSpec
@@ -205,7 +205,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """
         first = _start_command(await anext(aiter(request_iterator), None))
         spec = self._admit(first.start)
-        span = self._span(first, spec)
+        span = self._span(first, spec, context.invocation_metadata())
         # Triton, tracing, makes its spans children of ours (or of the router's: a no-op span carries its context).
         params = generation_params(first, spec, context.time_remaining(), tuple(inject(span).items()))
         logs.about(params.request_id, span)  # before the pump task starts: it copies this context
@@ -247,10 +247,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                   "template applied")
         return spec
 
-    def _span(self, first: worker_pb2.WorkerCommand, spec: ModelSpec) -> trace.Span:
-        """The generation's span on this worker, child of the router's (which sent its context in the start)."""
+    def _span(self, first: worker_pb2.WorkerCommand, spec: ModelSpec,
+              metadata: Iterable[tuple[str, Any]] | None) -> trace.Span:
+        """The generation's span on this worker: a child of the router's context, where that came.
+
+        A router that does not trace sends its caller's context in the start command (on a call opened ahead of
+        need); otherwise the context is in the call's metadata, and while this worker traces, the call's RPC server
+        span (the current span) is the parent.
+        """
+        context = from_mapping(first.trace_context) if first.trace_context else parent(metadata)
         return self.tracer.start_span(
-            f"generate {spec.name}", context=from_mapping(first.trace_context), kind=trace.SpanKind.SERVER,
+            f"generate {spec.name}", context=context,
+            kind=trace.SpanKind.INTERNAL if context is None else trace.SpanKind.SERVER,
             attributes={"gen_ai.request.model": spec.name, "gen_ai.response.id": first.start.request_id,
                         "tokenmesh.tokens_before": first.tokens_before,
                         "tokenmesh.triton_url": self._backend.endpoint})
