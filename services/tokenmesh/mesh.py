@@ -45,25 +45,37 @@ class MeshConfig:
     port: int = setting(50051, "router port; 0 picks a free one")
     threads: int = setting(0, "llama.cpp threads per worker; 0 = the machine's cores divided by the workers")
     slots: int = setting(0, "concurrent generations per worker; 0 keeps the model's value")
-    model_repository: str = setting("", "Triton model repository for every worker; empty = the shipped model "
-                                        "(--model)")
-    router_processes: int = setting(1, "router processes sharing its port with SO_REUSEPORT (tokenmesh router "
-                                       "--processes)")
+    model_repository: str = setting("", "Triton model repository for every worker; empty = the shipped model (--model)")
+    router_processes: int = setting(
+        1, "router processes sharing its port with SO_REUSEPORT (tokenmesh router --processes)"
+    )
     # SmolLM2's llama.cpp computes on the same cores as the processes that relay its tokens; at equal
     # priority each relayed token waited for the scheduler to preempt it (SmolLM2, 8 streams: engine's first
     # token -> caller p50 10.7 ms, 3.2 ms niced). The synthetic model is the opposite: its per-token work is
     # Python, like the relays'; niced, it starved at 24k tokens/s (router_cost.py: mesh 14.3k tokens/s vs 22.4k).
-    triton_nice: int | None = setting(None, "niceness (0-19) of every worker's Triton and its model; unset: 19 for "
-                                            "the shipped SmolLM2 (llama.cpp then yields the cores at once to the "
-                                            "processes relaying its tokens), 0 for any other repository, such as the "
-                                            "synthetic model, whose per-token work is like theirs", parse=int)
-    gateway_port: int | None = setting(None, "port of the OpenAI-compatible HTTP gateway in front of the router; 0 "
-                                             "picks a free one; off (unset in code) = no gateway", parse=port_or_off)
-    tls_dir: str = setting("", "run every service with mutual TLS from the certificates in this folder "
-                               "(<service>.crt/.key and ca.crt, as tokenmesh certs makes them; tokenmesh up makes "
-                               "them there unless ca.crt exists); empty = plaintext (or --tls: a temporary folder)")
-    metrics: bool = setting(False, "router, workers and prober serve Prometheus metrics, each on a free port "
-                                   "(printed at start)")
+    triton_nice: int | None = setting(
+        None,
+        "niceness (0-19) of every worker's Triton and its model; unset: 19 for "
+        "the shipped SmolLM2 (llama.cpp then yields the cores at once to the "
+        "processes relaying its tokens), 0 for any other repository, such as the "
+        "synthetic model, whose per-token work is like theirs",
+        parse=int,
+    )
+    gateway_port: int | None = setting(
+        None,
+        "port of the OpenAI-compatible HTTP gateway in front of the router; 0 "
+        "picks a free one; off (unset in code) = no gateway",
+        parse=port_or_off,
+    )
+    tls_dir: str = setting(
+        "",
+        "run every service with mutual TLS from the certificates in this folder "
+        "(<service>.crt/.key and ca.crt, as tokenmesh certs makes them; tokenmesh up makes "
+        "them there unless ca.crt exists); empty = plaintext (or --tls: a temporary folder)",
+    )
+    metrics: bool = setting(
+        False, "router, workers and prober serve Prometheus metrics, each on a free port (printed at start)"
+    )
     log_dir: str = setting("", "write each service's log to LOG_DIR/<name>.log; empty = stderr")
     start_timeout_s: float = setting(240.0, "how long the services may take to become SERVING")
     extra_env: dict[str, str] = not_a_setting(dict)
@@ -73,13 +85,17 @@ class MeshConfig:
         """Validate ranges."""
         check(1 <= self.workers <= 64, f"workers must be 1..64, got {self.workers}")
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
-        check(self.gateway_port is None or 0 <= self.gateway_port <= 65535,
-              f"gateway_port must be 0..65535 (or off: no gateway), got {self.gateway_port}")
+        check(
+            self.gateway_port is None or 0 <= self.gateway_port <= 65535,
+            f"gateway_port must be 0..65535 (or off: no gateway), got {self.gateway_port}",
+        )
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         check(self.slots >= 0, f"slots must be >= 0, got {self.slots}")
         check(1 <= self.router_processes <= 64, f"router_processes must be 1..64, got {self.router_processes}")
-        check(self.triton_nice is None or 0 <= self.triton_nice <= 19,
-              f"triton_nice must be 0..19, got {self.triton_nice}")
+        check(
+            self.triton_nice is None or 0 <= self.triton_nice <= 19,
+            f"triton_nice must be 0..19, got {self.triton_nice}",
+        )
         check(self.start_timeout_s > 0, f"start_timeout_s must be > 0, got {self.start_timeout_s}")
 
     @property
@@ -97,10 +113,14 @@ class UpConfig(MeshConfig):
     Only the defaults differ from :class:`MeshConfig` (redeclared fields keep their place).
     """
 
-    gateway_port: int | None = setting(8000, "port of the OpenAI-compatible HTTP gateway in front of the router; 0 "
-                                             "picks a free one; off = no gateway", parse=port_or_off)
-    metrics: bool = setting(True, "router, workers and prober serve Prometheus metrics, each on a free port "
-                                  "(printed at start)")
+    gateway_port: int | None = setting(
+        8000,
+        "port of the OpenAI-compatible HTTP gateway in front of the router; 0 picks a free one; off = no gateway",
+        parse=port_or_off,
+    )
+    metrics: bool = setting(
+        True, "router, workers and prober serve Prometheus metrics, each on a free port (printed at start)"
+    )
 
 
 @dataclass
@@ -157,7 +177,7 @@ class Mesh:
         if workers >= len(cores):
             return [cores[index % len(cores)]]
         share = len(cores) // workers
-        return cores[index * share:(index + 1) * share]
+        return cores[index * share : (index + 1) * share]
 
     @property
     def threads_per_worker(self) -> int:
@@ -179,8 +199,16 @@ class Mesh:
         cmd = [sys.executable, "-m", "tokenmesh", service, "--ready-file", str(ready), *args]
         if self.config.tls_dir and service in (*METERED, "gateway"):  # each with its own identity, mutual TLS
             folder = Path(self.config.tls_dir)
-            cmd += ["--tls-mode", "mtls", "--tls-cert", str(folder / f"{service}.crt"),
-                    "--tls-key", str(folder / f"{service}.key"), "--tls-ca", str(folder / "ca.crt")]
+            cmd += [
+                "--tls-mode",
+                "mtls",
+                "--tls-cert",
+                str(folder / f"{service}.crt"),
+                "--tls-key",
+                str(folder / f"{service}.key"),
+                "--tls-ca",
+                str(folder / "ca.crt"),
+            ]
         if self.config.metrics and service in METERED:
             with socket.socket() as probe:  # a free port now; the service binds it at once
                 probe.bind((self.config.host, 0))
@@ -212,33 +240,78 @@ class Mesh:
                     )
             if pending and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
-                raise MeshStartError(f"{names} not ready after {self.config.start_timeout_s:.0f} s",
-                                     tuple(c.name for c in pending))
+                raise MeshStartError(
+                    f"{names} not ready after {self.config.start_timeout_s:.0f} s", tuple(c.name for c in pending)
+                )
             time.sleep(0.1)
+
+    def _worker_args(self, i: int) -> list[str]:
+        """Worker i's command-line flags: its threads, work folder, CPUs and engine niceness."""
+        cfg = self.config
+        args = [
+            "--host",
+            cfg.host,
+            "--port",
+            "0",
+            "--threads",
+            str(self.threads_per_worker),
+            "--work-dir",
+            str(self.run_dir / f"worker-{i}"),
+            "--cpus",
+            ",".join(map(str, self.cpus_of(i))),
+            "--triton-nice",
+            str(cfg.engine_nice),
+        ]
+        if cfg.slots:
+            args += ["--slots", str(cfg.slots)]
+        if cfg.model_repository:
+            args += ["--model-repository", cfg.model_repository]
+        return args
 
     def start(self) -> None:
         """Workers first (in parallel), then the router, then the prober (and the gateway)."""
         cfg = self.config
         try:
             for i in range(cfg.workers):
-                args = ["--host", cfg.host, "--port", "0", "--threads", str(self.threads_per_worker),
-                        "--work-dir", str(self.run_dir / f"worker-{i}"),
-                        "--cpus", ",".join(map(str, self.cpus_of(i))), "--triton-nice", str(cfg.engine_nice)]
-                if cfg.slots:
-                    args += ["--slots", str(cfg.slots)]
-                if cfg.model_repository:
-                    args += ["--model-repository", cfg.model_repository]
-                self.workers.append(self.spawn(f"worker-{i}", "worker", *args))
+                self.workers.append(self.spawn(f"worker-{i}", "worker", *self._worker_args(i)))
             self.wait_ready(self.workers)
             addresses = ",".join(w.address for w in self.workers)
-            self.router = self.spawn("router", "router", "--host", cfg.host, "--port", str(cfg.port),
-                                     "--workers", addresses, "--processes", str(cfg.router_processes))
+            self.router = self.spawn(
+                "router",
+                "router",
+                "--host",
+                cfg.host,
+                "--port",
+                str(cfg.port),
+                "--workers",
+                addresses,
+                "--processes",
+                str(cfg.router_processes),
+            )
             self.wait_ready([self.router])
-            self.prober = self.spawn("prober", "prober", "--host", cfg.host, "--port", "0",
-                                     "--workers", addresses, "--routers", self.router.address)
+            self.prober = self.spawn(
+                "prober",
+                "prober",
+                "--host",
+                cfg.host,
+                "--port",
+                "0",
+                "--workers",
+                addresses,
+                "--routers",
+                self.router.address,
+            )
             if cfg.gateway_port is not None:
-                self.gateway = self.spawn("gateway", "gateway", "--host", cfg.host, "--port", str(cfg.gateway_port),
-                                          "--routers", self.router.address)
+                self.gateway = self.spawn(
+                    "gateway",
+                    "gateway",
+                    "--host",
+                    cfg.host,
+                    "--port",
+                    str(cfg.gateway_port),
+                    "--routers",
+                    self.router.address,
+                )
             self.wait_ready([c for c in (self.prober, self.gateway) if c is not None])
         except BaseException:
             self.stop()

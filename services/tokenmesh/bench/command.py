@@ -22,62 +22,113 @@ class BenchError(Exception):
     """Bad arguments or an unusable target: one line, exit code 2."""
 
 
-def add_arguments(parser: argparse.ArgumentParser, default_addr: str) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, default_addr: str
+) -> None:  # long: an argparse table, a flag per call
     """The bench command's flags."""
     where = parser.add_argument_group("target")
-    where.add_argument("--target", choices=("mesh", "triton", "openai"), default="mesh",
-                       help="mesh: Inference/Generate on a router (default); triton: a Triton model directly; "
-                            "openai: any OpenAI-compatible endpoint (--url), streamed chat or completions over HTTP")
+    where.add_argument(
+        "--target",
+        choices=("mesh", "triton", "openai"),
+        default="mesh",
+        help="mesh: Inference/Generate on a router (default); triton: a Triton model directly; "
+        "openai: any OpenAI-compatible endpoint (--url), streamed chat or completions over HTTP",
+    )
     where.add_argument("--addr", default=default_addr, help=f"router host:port (default {default_addr})")
-    where.add_argument("--triton-url", default="",
-                       help="Triton gRPC host:port, comma-separated for several (each request to the one with "
-                            "the fewest outstanding: the ideal balancer); with --compare, "
-                            "default: every worker's Triton, from the router's routing table")
-    where.add_argument("--url", default="",
-                       help="with --target openai: the API's base URL, e.g. http://127.0.0.1:8000/v1 (tokenmesh's "
-                            "gateway, vLLM, ...); prompts with messages go to /chat/completions, others to "
-                            "/completions")
-    where.add_argument("--api-key", default="",
-                       help="with --target openai: sent as 'Authorization: Bearer KEY' (default: none; env "
-                            "OPENAI_API_KEY)")
+    where.add_argument(
+        "--triton-url",
+        default="",
+        help="Triton gRPC host:port, comma-separated for several (each request to the one with "
+        "the fewest outstanding: the ideal balancer); with --compare, "
+        "default: every worker's Triton, from the router's routing table",
+    )
+    where.add_argument(
+        "--url",
+        default="",
+        help="with --target openai: the API's base URL, e.g. http://127.0.0.1:8000/v1 (tokenmesh's "
+        "gateway, vLLM, ...); prompts with messages go to /chat/completions, others to "
+        "/completions",
+    )
+    where.add_argument(
+        "--api-key",
+        default="",
+        help="with --target openai: sent as 'Authorization: Bearer KEY' (default: none; env OPENAI_API_KEY)",
+    )
     where.add_argument("--model", default="", help="model name (default: the mesh's default model)")
-    where.add_argument("--compare", action="store_true",
-                       help="run the mesh and direct Triton on the same prompts, interleaved, and print mesh/direct")
-    where.add_argument("--blocks", type=int, default=4,
-                       help="with --compare: alternate the two targets over this many blocks of prompts (default 4)")
+    where.add_argument(
+        "--compare",
+        action="store_true",
+        help="run the mesh and direct Triton on the same prompts, interleaved, and print mesh/direct",
+    )
+    where.add_argument(
+        "--blocks",
+        type=int,
+        default=4,
+        help="with --compare: alternate the two targets over this many blocks of prompts (default 4)",
+    )
 
     load = parser.add_argument_group("load")
-    load.add_argument("--concurrency", type=int, default=8,
-                      help="closed loop: requests in flight (default 8); with --request-rate: the most in flight")
-    load.add_argument("--request-rate", type=float, default=None,
-                      help="open loop: Poisson arrivals at this many requests/s (default: closed loop)")
+    load.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="closed loop: requests in flight (default 8); with --request-rate: the most in flight",
+    )
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="open loop: Poisson arrivals at this many requests/s (default: closed loop)",
+    )
     load.add_argument("--requests", type=int, default=64, help="measured requests (default 64)")
-    load.add_argument("--duration", type=float, default=None,
-                      help="send for this many seconds instead of --requests (prompts are cycled)")
+    load.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="send for this many seconds instead of --requests (prompts are cycled)",
+    )
     load.add_argument("--warmup", type=int, default=4, help="requests run and discarded first, per target (default 4)")
     load.add_argument("--seed", type=int, default=0, help="seed for prompts, arrivals and sampling (default 0)")
-    load.add_argument("--allow-eos", action="store_true",
-                      help="let the model stop before max_tokens (default: generate exactly max_tokens)")
+    load.add_argument(
+        "--allow-eos",
+        action="store_true",
+        help="let the model stop before max_tokens (default: generate exactly max_tokens)",
+    )
 
     workload = parser.add_argument_group("prompts")
-    workload.add_argument("--prompts", default="",
-                          help="JSONL file, one {\"prompt\": ...} or {\"messages\": [...]} per line, optional "
-                               "\"max_tokens\" (default: synthetic prompts)")
+    workload.add_argument(
+        "--prompts",
+        default="",
+        help='JSONL file, one {"prompt": ...} or {"messages": [...]} per line, optional '
+        '"max_tokens" (default: synthetic prompts)',
+    )
     workload.add_argument("--input-tokens", type=int, default=128, help="synthetic prompt length (default 128)")
-    workload.add_argument("--output-tokens", type=int, default=128,
-                          help="tokens to generate per request (default 128; the JSONL default too)")
-    workload.add_argument("--prefix-groups", type=int, default=0,
-                          help="synthetic: prompts share one of this many prefixes (default 0: none)")
+    workload.add_argument(
+        "--output-tokens",
+        type=int,
+        default=128,
+        help="tokens to generate per request (default 128; the JSONL default too)",
+    )
+    workload.add_argument(
+        "--prefix-groups",
+        type=int,
+        default=0,
+        help="synthetic: prompts share one of this many prefixes (default 0: none)",
+    )
     workload.add_argument("--prefix-tokens", type=int, default=0, help="synthetic: length of the shared prefix")
 
     out = parser.add_argument_group("report")
-    out.add_argument("--slo", default="",
-                     help="goodput bounds in ms, e.g. ttft=500,tpot=50 (names: ttft, tpot, e2e)")
+    out.add_argument("--slo", default="", help="goodput bounds in ms, e.g. ttft=500,tpot=50 (names: ttft, tpot, e2e)")
     out.add_argument("--json", default="", metavar="FILE", help="write every figure (and the ratios) as JSON")
-    out.add_argument("--plot", default="", metavar="FILE.png",
-                     help="plot the TTFT and ITL distributions and throughput over time")
-    out.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
-                     help="live progress bar on stderr (auto: when stderr is a terminal)")
+    out.add_argument(
+        "--plot", default="", metavar="FILE.png", help="plot the TTFT and ITL distributions and throughput over time"
+    )
+    out.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="live progress bar on stderr (auto: when stderr is a terminal)",
+    )
 
 
 def _check(args: argparse.Namespace) -> dict[str, float]:
@@ -111,14 +162,21 @@ def _prompt_set(args: argparse.Namespace) -> list[Prompt]:
         if args.prompts:
             return prompts.read_jsonl(args.prompts, args.output_tokens)
         count = args.requests if not args.duration else max(args.requests, 256)
-        return prompts.synthetic(count + args.warmup, args.input_tokens, args.output_tokens,
-                                 args.prefix_groups, args.prefix_tokens, args.seed)
+        return prompts.synthetic(
+            count + args.warmup,
+            args.input_tokens,
+            args.output_tokens,
+            args.prefix_groups,
+            args.prefix_tokens,
+            args.seed,
+        )
     except prompts.PromptError as exc:
         raise BenchError(str(exc)) from None
 
 
-async def _measure(target: Target, measured: Sequence[Prompt], load: Load, progress: str,
-                   total: int | None) -> list[RequestResult]:
+async def _measure(
+    target: Target, measured: Sequence[Prompt], load: Load, progress: str, total: int | None
+) -> list[RequestResult]:
     from tokenmesh.bench.runner import Progress, drive
 
     bar = Progress(target.name, total, None if progress == "auto" else progress == "on")
@@ -136,11 +194,10 @@ async def run(args: argparse.Namespace) -> int:
 
     slo = _check(args)
     workload = _prompt_set(args)
-    warmup, measured = workload[:args.warmup], workload[args.warmup:] or workload
+    warmup, measured = workload[: args.warmup], workload[args.warmup :] or workload
     if not args.duration:
         measured = [measured[i % len(measured)] for i in range(args.requests)]
-    load = Load(concurrency=args.concurrency, request_rate=args.request_rate, duration_s=args.duration,
-                seed=args.seed)
+    load = Load(concurrency=args.concurrency, request_rate=args.request_rate, duration_s=args.duration, seed=args.seed)
     mesh = MeshTarget(args.addr, args.model, ignore_eos=not args.allow_eos, seed=args.seed)
     targets: list[Target] = []
     try:
@@ -165,8 +222,13 @@ async def _open_targets(args: argparse.Namespace, mesh: MeshTarget, targets: lis
         await mesh.open()
         targets.append(mesh)
     if args.target == "openai":
-        endpoint = OpenAITarget(args.url, args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY", ""),
-                                ignore_eos=not args.allow_eos, seed=args.seed)
+        endpoint = OpenAITarget(
+            args.url,
+            args.model,
+            api_key=args.api_key or os.environ.get("OPENAI_API_KEY", ""),
+            ignore_eos=not args.allow_eos,
+            seed=args.seed,
+        )
         targets.append(endpoint)
         await endpoint.open()
     if args.target == "triton" or args.compare:
@@ -188,8 +250,9 @@ class _Measurement:
     """Seconds each target was measured: with --compare, its own blocks only."""
 
 
-async def _measure_targets(args: argparse.Namespace, targets: list[Target], warmup: Sequence[Prompt],
-                           measured: Sequence[Prompt], load: Load) -> _Measurement:
+async def _measure_targets(
+    args: argparse.Namespace, targets: list[Target], warmup: Sequence[Prompt], measured: Sequence[Prompt], load: Load
+) -> _Measurement:
     """Warm each target up, then measure it (with --compare, in blocks that alternate which target goes first)."""
     from tokenmesh.bench.runner import Load, drive
 
@@ -199,16 +262,17 @@ async def _measure_targets(args: argparse.Namespace, targets: list[Target], warm
             await drive(target, [p.tagged(target.name) for p in warmup], Load(concurrency=args.concurrency))
     if not args.compare:
         target = targets[0]
-        done.runs[target.name] = await _measure(target, measured, load, args.progress,
-                                                None if args.duration else len(measured))
+        done.runs[target.name] = await _measure(
+            target, measured, load, args.progress, None if args.duration else len(measured)
+        )
         done.busy[target.name] = metrics.span(done.runs[target.name])
         return done
     # Blocks alternate which target goes first (ABBA...), so neither gains from running second;
     # each target's copy of a prompt is tagged so neither finds the other's KV cache warm.
     size = -(-len(measured) // args.blocks)
     for block in range(args.blocks):
-        part = measured[block * size:(block + 1) * size]
-        for target in (targets if block % 2 == 0 else targets[::-1]):
+        part = measured[block * size : (block + 1) * size]
+        for target in targets if block % 2 == 0 else targets[::-1]:
             tagged = [p.tagged(target.name) for p in part]
             block_results = await _measure(target, tagged, load, args.progress, len(part))
             done.runs[target.name] += block_results
@@ -221,15 +285,19 @@ def _report(args: argparse.Namespace, slo: dict[str, float], measurement: _Measu
     """Print each target's table (and, with --compare, the ratios); write the JSON and the plot when asked."""
     from tokenmesh.bench import report
 
-    summaries = {name: metrics.summarize(results, slo, measurement.busy[name])
-                 for name, results in measurement.runs.items()}
+    summaries = {
+        name: metrics.summarize(results, slo, measurement.busy[name]) for name, results in measurement.runs.items()
+    }
     for name, summary in summaries.items():
         print(report.table(name, summary))
-    document: dict[str, Any] = {"summaries": summaries, "arguments": {
-        k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | None)}}
+    document: dict[str, Any] = {
+        "summaries": summaries,
+        "arguments": {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | None)},
+    }
     if args.compare:
-        ratios = report.ratios(summaries["mesh"], summaries["triton"], measurement.blocks["mesh"],
-                               measurement.blocks["triton"])
+        ratios = report.ratios(
+            summaries["mesh"], summaries["triton"], measurement.blocks["mesh"], measurement.blocks["triton"]
+        )
         print(report.ratio_table(ratios))
         document["mesh_over_direct"] = ratios
     if args.json:

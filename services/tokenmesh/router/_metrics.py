@@ -30,52 +30,98 @@ class RouterMetrics:
     enabled: bool
     """False: generations record nothing (--metrics-port 0); the counters stay at 0."""
 
-    def __init__(self, tenants: tuple[str, ...] = (), *, enabled: bool = True) -> None:
+    def __init__(
+        self, tenants: tuple[str, ...] = (), *, enabled: bool = True
+    ) -> None:  # long: the metric table, one metric a call
         self.enabled = enabled
         r = self.registry = CollectorRegistry()
         self.tenant = TenantLabel(tenants)
-        self.ttft = Histogram("tokenmesh_router_time_to_first_token_seconds",
-                              "From the request's arrival to its first text chunk leaving the router",
-                              ["model", "worker"], buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("tokenmesh_router_time_per_output_token_seconds",
-                              "(end - first token) / (output tokens - 1), per generation",
-                              ["model"], buckets=ITL_BUCKETS, registry=r)
-        self.itl = Histogram("tokenmesh_router_inter_token_latency_seconds",
-                             "Gap between two text chunks of a stream, as relayed", ["model"],
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("tokenmesh_router_request_duration_seconds",
-                             "From the request's arrival to its end, by outcome", ["model", "outcome"],
-                             buckets=REQUEST_BUCKETS, registry=r)
-        self.queue = Histogram("tokenmesh_router_queue_wait_seconds",
-                               "Time a generation waited in the admission queue for a worker slot",
-                               ["model", "priority"], buckets=REQUEST_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("tokenmesh_router_prompt_tokens_total", "Prompt tokens of finished generations",
-                                     ["model"], registry=r)
-        self.output_tokens = Counter("tokenmesh_router_generation_tokens_total",
-                                     "Output tokens relayed to callers", ["model"], registry=r)
-        self.requests = Counter("tokenmesh_router_requests_total",
-                                "Generations by outcome: a finish reason (stop, length, cancelled, error) or "
-                                "the status code they ended with", ["model", "outcome", "tenant"], registry=r)
-        self.migrations = Counter("tokenmesh_router_migrations_total",
-                                  "Generations moved to another worker after output began, by failure",
-                                  ["model", "reason"], registry=r)
-        self.interruptions = Counter("tokenmesh_router_interruptions_total",
-                                     "Streams that ended in an error after their first chunk", ["model", "outcome"],
-                                     registry=r)
-        self.worker_failures = Counter("tokenmesh_router_worker_failures_total",
-                                       "Attempts a worker failed (the stream went on elsewhere or ended), by failure",
-                                       ["worker", "reason"], registry=r)
+        self.ttft = Histogram(
+            "tokenmesh_router_time_to_first_token_seconds",
+            "From the request's arrival to its first text chunk leaving the router",
+            ["model", "worker"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "tokenmesh_router_time_per_output_token_seconds",
+            "(end - first token) / (output tokens - 1), per generation",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tokenmesh_router_inter_token_latency_seconds",
+            "Gap between two text chunks of a stream, as relayed",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tokenmesh_router_request_duration_seconds",
+            "From the request's arrival to its end, by outcome",
+            ["model", "outcome"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "tokenmesh_router_queue_wait_seconds",
+            "Time a generation waited in the admission queue for a worker slot",
+            ["model", "priority"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "tokenmesh_router_prompt_tokens_total", "Prompt tokens of finished generations", ["model"], registry=r
+        )
+        self.output_tokens = Counter(
+            "tokenmesh_router_generation_tokens_total", "Output tokens relayed to callers", ["model"], registry=r
+        )
+        self.requests = Counter(
+            "tokenmesh_router_requests_total",
+            "Generations by outcome: a finish reason (stop, length, cancelled, error) or "
+            "the status code they ended with",
+            ["model", "outcome", "tenant"],
+            registry=r,
+        )
+        self.migrations = Counter(
+            "tokenmesh_router_migrations_total",
+            "Generations moved to another worker after output began, by failure",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.interruptions = Counter(
+            "tokenmesh_router_interruptions_total",
+            "Streams that ended in an error after their first chunk",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.worker_failures = Counter(
+            "tokenmesh_router_worker_failures_total",
+            "Attempts a worker failed (the stream went on elsewhere or ended), by failure",
+            ["worker", "reason"],
+            registry=r,
+        )
         self.resumes = Counter("tokenmesh_router_resumes_total", "Resume calls by outcome", ["outcome"], registry=r)
         self.cancels = Counter("tokenmesh_router_cancels_total", "Cancel calls by outcome", ["outcome"], registry=r)
-        self.denied = Counter("tokenmesh_router_permission_denied_total",
-                              "Calls refused because the peer's mTLS identity may not make them, by RPC group",
-                              ["group"], registry=r)
-        self.tables = Counter("tokenmesh_router_weight_tables_total", "Weight tables received, by whether applied",
-                              ["applied"], registry=r)
-        self.propagation = Histogram("tokenmesh_router_weight_table_propagation_seconds",
-                                     "From the prober's decision to this router applying the table",
-                                     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                                              2.5, 5.0), registry=r)
+        self.denied = Counter(
+            "tokenmesh_router_permission_denied_total",
+            "Calls refused because the peer's mTLS identity may not make them, by RPC group",
+            ["group"],
+            registry=r,
+        )
+        self.tables = Counter(
+            "tokenmesh_router_weight_tables_total",
+            "Weight tables received, by whether applied",
+            ["applied"],
+            registry=r,
+        )
+        self.propagation = Histogram(
+            "tokenmesh_router_weight_table_propagation_seconds",
+            "From the prober's decision to this router applying the table",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
 
     def watch(self, pool: WorkerPool, admission: Admission) -> None:
         """Report the pool's and the queue's state at every scrape."""
@@ -188,16 +234,21 @@ class _PoolCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         pool = self._pool
-        in_flight = GaugeMetricFamily("tokenmesh_router_in_flight", "Generations this router has open on the worker",
-                                      labels=["worker"])
-        limit = GaugeMetricFamily("tokenmesh_router_concurrency_limit",
-                                  "Most generations this router sends the worker at once", labels=["worker"])
-        weight = GaugeMetricFamily("tokenmesh_router_worker_weight", "Routing weight in force (0: never picked)",
-                                   labels=["worker"])
-        state = GaugeMetricFamily("tokenmesh_router_worker_state", "1 for the worker's state, 0 for the others",
-                                  labels=["worker", "state"])
-        states = [label(s, router_pb2.WorkerState)
-                  for s in router_pb2.WorkerState.values()]
+        in_flight = GaugeMetricFamily(
+            "tokenmesh_router_in_flight", "Generations this router has open on the worker", labels=["worker"]
+        )
+        limit = GaugeMetricFamily(
+            "tokenmesh_router_concurrency_limit",
+            "Most generations this router sends the worker at once",
+            labels=["worker"],
+        )
+        weight = GaugeMetricFamily(
+            "tokenmesh_router_worker_weight", "Routing weight in force (0: never picked)", labels=["worker"]
+        )
+        state = GaugeMetricFamily(
+            "tokenmesh_router_worker_state", "1 for the worker's state, 0 for the others", labels=["worker", "state"]
+        )
+        states = [label(s, router_pb2.WorkerState) for s in router_pb2.WorkerState.values()]
         for row in pool.table().workers:
             in_flight.add_metric([row.address], row.in_flight)
             limit.add_metric([row.address], row.concurrency_limit)
@@ -206,7 +257,11 @@ class _PoolCollector(Collector):
             for name in states:
                 state.add_metric([row.address, name], 1.0 if name == current else 0.0)
         yield from (in_flight, limit, weight, state)
-        yield GaugeMetricFamily("tokenmesh_router_queued", "Generations waiting in the admission queue",
-                                value=len(self._admission.waiting))
-        yield GaugeMetricFamily("tokenmesh_router_weight_table_version", "Version of the weight table in force "
-                                "(0: none yet)", value=pool.version)
+        yield GaugeMetricFamily(
+            "tokenmesh_router_queued", "Generations waiting in the admission queue", value=len(self._admission.waiting)
+        )
+        yield GaugeMetricFamily(
+            "tokenmesh_router_weight_table_version",
+            "Version of the weight table in force (0: none yet)",
+            value=pool.version,
+        )

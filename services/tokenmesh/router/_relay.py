@@ -99,13 +99,20 @@ def chunk(event: worker_pb2.WorkerEvent, request_id: str, model: str) -> inferen
     """The caller's chunk for a worker's chunk or end event (seq from the worker)."""
     if event.WhichOneof("event") == "chunk":
         return inference_pb2.GenerateChunk(
-            request_id=request_id, seq=event.seq, text=event.chunk.text, token_count=event.chunk.token_count,
+            request_id=request_id,
+            seq=event.seq,
+            text=event.chunk.text,
+            token_count=event.chunk.token_count,
             model=model,
         )
     end = event.end
     return inference_pb2.GenerateChunk(
-        request_id=request_id, seq=event.seq, token_count=end.token_count, finish_reason=end.finish_reason,
-        usage=end.usage, model=model,
+        request_id=request_id,
+        seq=event.seq,
+        token_count=end.token_count,
+        finish_reason=end.finish_reason,
+        usage=end.usage,
+        model=model,
     )
 
 
@@ -174,6 +181,21 @@ class StallWatchdog:
         self._timer.cancel()
 
 
+def _count(event: worker_pb2.WorkerEvent, kind: str | None, progress: Progress, address: str) -> None:
+    """Take the worker's next event into progress; raise what ends the attempt.
+
+    A reported error ends it as :func:`outcome` says (fail over, or the
+    caller's error); a seq out of order is the worker's failure.
+    """
+    if kind == "error":
+        raise outcome(event.error, address, received=True)
+    if event.seq != progress.seq + 1:
+        raise WorkerFailed(f"worker sent seq {event.seq}, expected {progress.seq + 1}", "seq_gap")
+    if event.seq == 1:
+        _first_event(progress, event)
+    progress.seq = event.seq
+
+
 class Relay:
     """Runs one attempt of a generation on one worker and relays its chunks.
 
@@ -195,8 +217,14 @@ class Relay:
         self._spares = spares
         self._cancels = cancels
 
-    async def run(self, entry: WorkerEntry, start: worker_pb2.WorkerCommand, live: Live, progress: Progress,
-                  trace_context: dict[str, str] | None = None) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
+    async def run(
+        self,
+        entry: WorkerEntry,
+        start: worker_pb2.WorkerCommand,
+        live: Live,
+        progress: Progress,
+        trace_context: dict[str, str] | None = None,
+    ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
         """Run start (see :func:`start_command`) on entry's worker, its chunks numbered after progress.seq.
 
         Raises WorkerFailed when the worker is at fault (it died, stalled, or
@@ -221,20 +249,13 @@ class Relay:
                 watchdog.fed()
                 received = True
                 kind = event.WhichOneof("event")
-                if kind == "error":
-                    finished = True
-                    raise outcome(event.error, entry.address, received=True)
-                if event.seq != progress.seq + 1:
-                    raise WorkerFailed(f"worker sent seq {event.seq}, expected {progress.seq + 1}", "seq_gap")
-                if event.seq == 1:
-                    _first_event(progress, event)
-                progress.seq = event.seq
+                finished = kind != "chunk"  # an end or an error: the worker is done with it, nothing to cancel
+                _count(event, kind, progress, entry.address)
                 if kind == "chunk":
                     progress.text.append(event.chunk.text)
                     progress.tokens += event.chunk.token_count
                     yield chunk(event, forward.request_id, forward.model)
                     continue
-                finished = True
                 entry.served_total += 1
                 yield _last(event, forward, progress)
                 return
@@ -255,8 +276,15 @@ class Relay:
             if not finished and not detach:  # the worker would run it on for no one
                 self._cancels.abandon(entry.address, forward.request_id)
 
-    async def _start(self, call: grpc.aio.StreamStreamCall[Any, Any], address: str, live: Live,
-                     start: worker_pb2.WorkerCommand, *, open_spare: bool) -> None:
+    async def _start(
+        self,
+        call: grpc.aio.StreamStreamCall[Any, Any],
+        address: str,
+        live: Live,
+        start: worker_pb2.WorkerCommand,
+        *,
+        open_spare: bool,
+    ) -> None:
         """Send the start command; open the next spare while this one waits for its first token."""
         await write(call, start)  # a spare the worker ended meanwhile: its status, failed over
         if open_spare:  # a traced generation opened a call of its own and leaves the spares as they are
@@ -302,8 +330,9 @@ def _first_event(progress: Progress, event: worker_pb2.WorkerEvent) -> None:
     progress.timing.router_ttft_ms = (time.monotonic() - progress.started) * 1000
 
 
-def _last(event: worker_pb2.WorkerEvent, forward: inference_pb2.GenerateRequest,
-          progress: Progress) -> inference_pb2.GenerateChunk:
+def _last(
+    event: worker_pb2.WorkerEvent, forward: inference_pb2.GenerateRequest, progress: Progress
+) -> inference_pb2.GenerateChunk:
     """The caller's final chunk for the worker's end event: with the migrations and timing of the whole stream."""
     final = chunk(event, forward.request_id, forward.model)
     final.migrations = progress.migrations
