@@ -33,6 +33,7 @@ run: $(STAMP) ## start the embedded mesh (2 workers + Triton, prober, router on 
 
 check: $(STAMP) ## the fast loop: ruff, mypy, tests/unit (no Triton, no in-process mesh, no repo checks: make test)
 	$(BIN)/ruff check services tests scripts benchmarks gateway
+	$(BIN)/ruff format --check services tests scripts benchmarks gateway
 	$(BIN)/mypy -p tokenmesh -p tokenmesh_gateway
 	$(BIN)/pytest -q $(PYTEST_ARGS) tests/unit
 
@@ -59,6 +60,7 @@ test-integration: $(STAMP) test-deps ## the integration tests only (real Triton,
 
 lint: $(STAMP) ## ruff, mypy (strict) and pyright (imports resolve as editors see them) on hand-written code
 	$(BIN)/ruff check services tests scripts benchmarks gateway
+	$(BIN)/ruff format --check services tests scripts benchmarks gateway
 	$(BIN)/mypy -p tokenmesh -p tokenmesh_gateway
 	$(BIN)/pyright services tests gateway
 

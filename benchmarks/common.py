@@ -93,8 +93,12 @@ def running_mesh(config: MeshConfig, routable: int | None = None) -> Iterator[Me
 def client_credentials(tls_dir: str) -> grpc.ChannelCredentials:
     """The `client` identity of a `tokenmesh certs` folder."""
     folder = Path(tls_dir)
-    settings = TlsSettings(tls_mode="mtls", tls_cert=str(folder / "client.crt"), tls_key=str(folder / "client.key"),
-                           tls_ca=str(folder / "ca.crt"))
+    settings = TlsSettings(
+        tls_mode="mtls",
+        tls_cert=str(folder / "client.crt"),
+        tls_key=str(folder / "client.key"),
+        tls_ca=str(folder / "ca.crt"),
+    )
     credentials = Tls(settings).credentials()
     assert credentials is not None
     return credentials
@@ -104,8 +108,11 @@ def wait_routable(mesh: Mesh, count: int, timeout: float = 60) -> None:
     """Until the router has count workers with weight > 0."""
     assert mesh.router is not None
     tls_dir = mesh.config.tls_dir
-    with (grpc.secure_channel(mesh.router.address, client_credentials(tls_dir)) if tls_dir
-          else grpc.insecure_channel(mesh.router.address)) as channel:
+    with (
+        grpc.secure_channel(mesh.router.address, client_credentials(tls_dir))
+        if tls_dir
+        else grpc.insecure_channel(mesh.router.address)
+    ) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         deadline = time.monotonic() + timeout
         while True:
@@ -137,8 +144,9 @@ class StreamResult:
         return bool(self.error) or not self.seq_ok or self.finish == 0 or self.tokens != self.completion_tokens
 
 
-def run_stream(stub: inference_pb2_grpc.InferenceStub, request: inference_pb2.GenerateRequest,
-               timeout: float) -> StreamResult:
+def run_stream(
+    stub: inference_pb2_grpc.InferenceStub, request: inference_pb2.GenerateRequest, timeout: float
+) -> StreamResult:
     """Consume one Generate stream and check its seq and token accounting."""
     result = StreamResult()
     last = time.monotonic()

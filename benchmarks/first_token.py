@@ -47,8 +47,13 @@ async def measure(router: str, worker: str, triton_url: str, requests: int) -> d
                 seen[name].append(result.ttft)
             sent = time.monotonic()
             call = stub.Generate()
-            await call.write(worker_pb2.WorkerCommand(start=inference_pb2.GenerateRequest(
-                model="synthetic", prompt=prompt.text, max_tokens=5, request_id=f"first-token-{i}")))
+            await call.write(
+                worker_pb2.WorkerCommand(
+                    start=inference_pb2.GenerateRequest(
+                        model="synthetic", prompt=prompt.text, max_tokens=5, request_id=f"first-token-{i}"
+                    )
+                )
+            )
             first = None
             async for event in call:
                 if first is None and event.HasField("chunk"):
@@ -94,8 +99,7 @@ def main() -> None:
     with running_mesh(config) as mesh:
         assert mesh.router is not None
         worker = mesh.workers[0]
-        seen = asyncio.run(measure(mesh.router.address, worker.address, str(worker.info["triton_url"]),
-                                   args.requests))
+        seen = asyncio.run(measure(mesh.router.address, worker.address, str(worker.info["triton_url"]), args.requests))
     source_port, relay_port = free_port(), free_port()
     source = start_relay("source", "--port", str(source_port))
     relay = start_relay("relay", "--port", str(relay_port), "--upstream", f"127.0.0.1:{source_port}")
@@ -109,6 +113,7 @@ def main() -> None:
     report({name: seen[name] for name in ("triton", "worker", "router")})
     print("baseline: relay.py source (first chunk after 5 ms) and one bare grpc.aio relay")
     report(baseline)
+
 
 if __name__ == "__main__":
     main()

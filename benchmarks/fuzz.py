@@ -55,8 +55,9 @@ def main() -> int:
         certs = make_dev_certs(Path(folder) / "certs")
         repository = synthetic_repository(Path(folder), tokens_per_s=2000)
         credentials = client_credentials(str(certs))
-        mesh = Mesh(MeshConfig(port=0, model_repository=str(repository), tls_dir=str(certs),
-                               log_dir=str(Path(folder) / "logs")))
+        mesh = Mesh(
+            MeshConfig(port=0, model_repository=str(repository), tls_dir=str(certs), log_dir=str(Path(folder) / "logs"))
+        )
         try:
             mesh.start()
             assert mesh.router is not None
@@ -81,8 +82,9 @@ def main() -> int:
             if dead:
                 failures.append(f"processes died: {', '.join(dead)}")
             stub = inference_pb2_grpc.InferenceStub(router)
-            final = list(stub.Generate(inference_pb2.GenerateRequest(prompt="still there?", max_tokens=5),
-                                       timeout=30))[-1]
+            final = list(stub.Generate(inference_pb2.GenerateRequest(prompt="still there?", max_tokens=5), timeout=30))[
+                -1
+            ]
             if final.finish_reason != inference_pb2.FINISH_REASON_LENGTH:
                 failures.append(f"the mesh no longer serves: {final}")
             router.close()
@@ -94,8 +96,11 @@ def main() -> int:
         print(f"  {method:42} " + ", ".join(f"{k} {v}" for k, v in statuses.most_common()))
     for failure in failures[:20]:
         print(f"FAIL: {failure}")
-    print("no crash, no broken handler, every Control and Worker call refused" if not failures else
-          f"{len(failures)} failures")
+    print(
+        "no crash, no broken handler, every Control and Worker call refused"
+        if not failures
+        else f"{len(failures)} failures"
+    )
     return 1 if failures else 0
 
 

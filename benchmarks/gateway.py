@@ -47,12 +47,18 @@ from tokenmesh.mesh import MeshConfig
 def figures(results: list[RequestResult]) -> dict[str, Any]:
     """TTFT p50/p99 (ms), output tokens, tokens/s and errors (by name) of one block."""
     s = summarize(results)
-    return {"ttft_p50": s["ttft_s"]["p50"] * 1000, "ttft_p99": s["ttft_s"]["p99"] * 1000,
-            "tokens": float(s["output_tokens"]), "tokens_per_s": s["output_tokens_per_s"], "errors": s["errors"]}
+    return {
+        "ttft_p50": s["ttft_s"]["p50"] * 1000,
+        "ttft_p99": s["ttft_s"]["p99"] * 1000,
+        "tokens": float(s["output_tokens"]),
+        "tokens_per_s": s["output_tokens_per_s"],
+        "errors": s["errors"],
+    }
 
 
-async def measure(router: str, url: str, pids: dict[str, int],
-                  args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+async def measure(
+    router: str, url: str, pids: dict[str, int], args: argparse.Namespace
+) -> dict[str, list[dict[str, Any]]]:
     """Blocks per path, alternated; each block's figures with the CPU seconds of the gateway and router."""
     grpc_path = MeshTarget(router, ignore_eos=True)
     http_path = OpenAITarget(url, ignore_eos=True)
@@ -65,7 +71,7 @@ async def measure(router: str, url: str, pids: dict[str, int],
             await drive(target, synthetic(2 * args.concurrency, 16, args.tokens, seed=9), Load(concurrency=8))
         for block in range(args.blocks):
             prompts = synthetic(args.requests, 16, args.tokens, seed=100 + block)
-            for target in (paths if block % 2 == 0 else paths[::-1]):
+            for target in paths if block % 2 == 0 else paths[::-1]:
                 before = {name: cpu_seconds([pid]) for name, pid in pids.items()}
                 machine, began = psutil.cpu_times(), time.monotonic()
                 results = await drive(target, prompts, Load(concurrency=args.concurrency))
@@ -91,16 +97,23 @@ def report(found: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> 
     """Print the comparison."""
     http, direct = found["openai"], found["mesh"]
     pairs = list(zip(http, direct, strict=True))
-    print(f"\nsynthetic engine: {args.tokens_per_s:g} tokens/s per stream in {args.responses_per_s:g} messages/s "
-          f"({'one step clock for all streams' if args.steps == 'shared' else 'each stream on its own phase'}), "
-          f"{args.tokens} tokens per request; concurrency {args.concurrency} "
-          f"({args.concurrency * args.tokens_per_s:,.0f} tokens/s offered); {args.blocks} blocks of "
-          f"{args.requests} requests per path, alternated")
+    print(
+        f"\nsynthetic engine: {args.tokens_per_s:g} tokens/s per stream in {args.responses_per_s:g} messages/s "
+        f"({'one step clock for all streams' if args.steps == 'shared' else 'each stream on its own phase'}), "
+        f"{args.tokens} tokens per request; concurrency {args.concurrency} "
+        f"({args.concurrency * args.tokens_per_s:,.0f} tokens/s offered); {args.blocks} blocks of "
+        f"{args.requests} requests per path, alternated"
+    )
     print(f"{'':34} {'gateway':>10} {'gRPC':>10}   (median over blocks)")
-    for label, key in (("TTFT p50 (ms)", "ttft_p50"), ("TTFT p99 (ms)", "ttft_p99"),
-                       ("output tokens/s", "tokens_per_s")):
-        print(f"{label:34} {statistics.median(h[key] for h in http):10.3f} "
-              f"{statistics.median(d[key] for d in direct):10.3f}")
+    for label, key in (
+        ("TTFT p50 (ms)", "ttft_p50"),
+        ("TTFT p99 (ms)", "ttft_p99"),
+        ("output tokens/s", "tokens_per_s"),
+    ):
+        print(
+            f"{label:34} {statistics.median(h[key] for h in http):10.3f} "
+            f"{statistics.median(d[key] for d in direct):10.3f}"
+        )
     print("median [min..max] over blocks:")
     rows = {
         "TTFT p50 added by gateway (ms)": [h["ttft_p50"] - d["ttft_p50"] for h, d in pairs],
@@ -130,18 +143,30 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests per block (default 64)")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per request (default 256)")
     parser.add_argument("--tokens-per-s", type=float, default=1000.0, help="per stream (default 1000)")
-    parser.add_argument("--responses-per-s", type=float, default=200.0,
-                        help="engine messages per second per stream (default 200: 5 tokens each)")
+    parser.add_argument(
+        "--responses-per-s",
+        type=float,
+        default=200.0,
+        help="engine messages per second per stream (default 200: 5 tokens each)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="workers, each with its own Triton (default 2)")
-    parser.add_argument("--steps", choices=("shared", "per-stream"), default="shared",
-                        help="the engine's responses on one step clock for all streams, as a batched engine's "
-                             "(default), or each stream on its own phase")
+    parser.add_argument(
+        "--steps",
+        choices=("shared", "per-stream"),
+        default="shared",
+        help="the engine's responses on one step clock for all streams, as a batched engine's "
+        "(default), or each stream on its own phase",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as folder:
-        repository = synthetic_repository(Path(folder), tokens_per_s=args.tokens_per_s,
-                                          responses_per_s=args.responses_per_s, n_parallel=max(64, args.concurrency),
-                                          shared_steps=int(args.steps == "shared"))
+        repository = synthetic_repository(
+            Path(folder),
+            tokens_per_s=args.tokens_per_s,
+            responses_per_s=args.responses_per_s,
+            n_parallel=max(64, args.concurrency),
+            shared_steps=int(args.steps == "shared"),
+        )
         config = MeshConfig(workers=args.workers, port=0, model_repository=str(repository), gateway_port=0)
         with running_mesh(config) as mesh:
             assert mesh.router is not None and mesh.gateway is not None

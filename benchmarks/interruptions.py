@@ -37,8 +37,16 @@ def chaos(mesh: Mesh, every: float, stop: threading.Event, kills: list[float]) -
         mesh.workers[slot].proc.wait()
         kills.append(time.monotonic())
         name = f"worker-{slot}-restart-{i}"
-        args = ["--host", "127.0.0.1", "--port", ports[slot], "--threads", str(mesh.threads_per_worker),
-                "--work-dir", str(mesh.run_dir / name)]
+        args = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            ports[slot],
+            "--threads",
+            str(mesh.threads_per_worker),
+            "--work-dir",
+            str(mesh.run_dir / name),
+        ]
         mesh.workers[slot] = mesh.spawn(name, "worker", *args)
         mesh.wait_ready([mesh.workers[slot]])
         i += 1
@@ -64,8 +72,9 @@ def main() -> None:
         killer.start()
 
         def one(i: int) -> StreamResult:
-            request = inference_pb2.GenerateRequest(prompt=f"Story {i}: Once upon a time", seed=i,
-                                                    max_tokens=args.tokens, ignore_eos=True)
+            request = inference_pb2.GenerateRequest(
+                prompt=f"Story {i}: Once upon a time", seed=i, max_tokens=args.tokens, ignore_eos=True
+            )
             return run_stream(stub, request, timeout=600)
 
         with ThreadPoolExecutor(args.concurrency) as pool:
@@ -79,16 +88,22 @@ def main() -> None:
     moved = [r for r in results if r.migrations]
     failover_gaps = [max(r.gaps) for r in moved if r.gaps]
     all_gaps = [g for r in results for g in r.gaps]
-    print(f"{len(results)} streams x {args.tokens} tokens, concurrency {args.concurrency}, {args.workers} workers, "
-          f"{len(kills)} worker kills (SIGKILL + restart every {args.kill_every:g} s) in {elapsed:.1f} s")
+    print(
+        f"{len(results)} streams x {args.tokens} tokens, concurrency {args.concurrency}, {args.workers} workers, "
+        f"{len(kills)} worker kills (SIGKILL + restart every {args.kill_every:g} s) in {elapsed:.1f} s"
+    )
     print(f"interruption rate: {100 * len(interrupted) / len(results):.3f}% ({len(interrupted)}/{len(results)})")
     for r in interrupted[:5]:
         print(f"  interrupted: error={r.error!r} seq_ok={r.seq_ok} tokens={r.tokens}/{r.completion_tokens}")
     print(f"streams moved to another worker: {len(moved)} ({sum(r.migrations for r in moved)} migrations)")
-    print(f"failover gap (longest pause in a moved stream): p50 {percentile(failover_gaps, 50) * 1000:.0f} ms, "
-          f"p99 {percentile(failover_gaps, 99) * 1000:.0f} ms, max {max(failover_gaps, default=0) * 1000:.0f} ms")
-    print(f"inter-chunk gap, all streams: p50 {percentile(all_gaps, 50) * 1000:.1f} ms, "
-          f"p99 {percentile(all_gaps, 99) * 1000:.1f} ms")
+    print(
+        f"failover gap (longest pause in a moved stream): p50 {percentile(failover_gaps, 50) * 1000:.0f} ms, "
+        f"p99 {percentile(failover_gaps, 99) * 1000:.0f} ms, max {max(failover_gaps, default=0) * 1000:.0f} ms"
+    )
+    print(
+        f"inter-chunk gap, all streams: p50 {percentile(all_gaps, 50) * 1000:.1f} ms, "
+        f"p99 {percentile(all_gaps, 99) * 1000:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,10 @@ def main() -> None:
         elapsed, ok = one_run(args.workers)
         times.append(elapsed)
         print(f"run {run}: weight 0 after {elapsed * 1000:.1f} ms; 8/8 new generations -> {ok}/8 succeeded")
-    print(f"time to weight 0: median {statistics.median(times) * 1000:.1f} ms, max {max(times) * 1000:.1f} ms "
-          f"over {len(times)} runs ({args.workers} workers)")
+    print(
+        f"time to weight 0: median {statistics.median(times) * 1000:.1f} ms, max {max(times) * 1000:.1f} ms "
+        f"over {len(times)} runs ({args.workers} workers)"
+    )
 
 
 if __name__ == "__main__":

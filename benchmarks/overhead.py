@@ -41,9 +41,13 @@ from tokenmesh.mesh import MeshConfig
 def block_figures(results: list[RequestResult]) -> dict[str, float]:
     """The per-block figures compared: TTFT p50/p99 (ms), TPOT mean (ms), output tokens/s, errors."""
     s = summarize(results)
-    return {"ttft_p50": s["ttft_s"]["p50"] * 1000, "ttft_p99": s["ttft_s"]["p99"] * 1000,
-            "tpot": s["tpot_s"]["mean"] * 1000, "tokens_per_s": s["output_tokens_per_s"],
-            "errors": float(s["requests"] - s["successful"])}
+    return {
+        "ttft_p50": s["ttft_s"]["p50"] * 1000,
+        "ttft_p99": s["ttft_s"]["p99"] * 1000,
+        "tpot": s["tpot_s"]["mean"] * 1000,
+        "tokens_per_s": s["output_tokens_per_s"],
+        "errors": float(s["requests"] - s["successful"]),
+    }
 
 
 def requests_for(concurrency: int, per_slot: int) -> int:
@@ -67,7 +71,7 @@ async def measure(mesh_addr: str, args: argparse.Namespace) -> dict[int, dict[st
             count = requests_for(level, args.per_slot)
             for block in range(args.blocks):
                 prompts = synthetic(count, 16, args.tokens, seed=100 * level + block)
-                for target in (targets if block % 2 == 0 else targets[::-1]):
+                for target in targets if block % 2 == 0 else targets[::-1]:
                     results = await drive(target, prompts, Load(concurrency=level))
                     found[level][target.name].append(block_figures(results))
             print(f"  concurrency {level}: {args.blocks} blocks of {count} requests per target done", flush=True)
@@ -84,8 +88,10 @@ def spread(values: list[float]) -> str:
 
 def report(found: dict[int, dict[str, list[dict[str, float]]]], args: argparse.Namespace) -> dict[str, Any]:
     """Print the comparison per level; return it."""
-    print(f"\nsynthetic engine: TTFT {args.ttft_ms:g} ms, {args.tokens_per_s:g} tokens/s per stream, "
-          f"{args.tokens} tokens per request; {args.blocks} blocks per target, alternated")
+    print(
+        f"\nsynthetic engine: TTFT {args.ttft_ms:g} ms, {args.tokens_per_s:g} tokens/s per stream, "
+        f"{args.tokens} tokens per request; {args.blocks} blocks per target, alternated"
+    )
     print("per level: median over blocks [min..max over blocks]")
     document: dict[str, Any] = {}
     for level, blocks in found.items():
@@ -99,10 +105,16 @@ def report(found: dict[int, dict[str, list[dict[str, float]]]], args: argparse.N
         }
         print(f"\n== concurrency {level} ==")
         print(f"{'':24} {'mesh':>10} {'direct':>10}   mesh vs direct")
-        for label, key in (("TTFT p50 (ms)", "ttft_p50"), ("TTFT p99 (ms)", "ttft_p99"), ("TPOT (ms)", "tpot"),
-                           ("output tokens/s", "tokens_per_s")):
-            print(f"{label:24} {statistics.median(m[key] for m in mesh):10.3f} "
-                  f"{statistics.median(d[key] for d in direct):10.3f}")
+        for label, key in (
+            ("TTFT p50 (ms)", "ttft_p50"),
+            ("TTFT p99 (ms)", "ttft_p99"),
+            ("TPOT (ms)", "tpot"),
+            ("output tokens/s", "tokens_per_s"),
+        ):
+            print(
+                f"{label:24} {statistics.median(m[key] for m in mesh):10.3f} "
+                f"{statistics.median(d[key] for d in direct):10.3f}"
+            )
         for label, values in rows.items():
             print(f"{label:24} {spread(values)}")
         errors = sum(m["errors"] for m in mesh), sum(d["errors"] for d in direct)
@@ -113,23 +125,38 @@ def report(found: dict[int, dict[str, list[dict[str, float]]]], args: argparse.N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64],
-                        help="concurrency levels, comma-separated (default 1,8,64)")
+    parser.add_argument(
+        "--levels",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 8, 64],
+        help="concurrency levels, comma-separated (default 1,8,64)",
+    )
     parser.add_argument("--blocks", type=int, default=6, help="blocks per target and level (default 6)")
-    parser.add_argument("--per-slot", type=int, default=4,
-                        help="requests per block per unit of concurrency (at least 40 per block; default 4)")
-    parser.add_argument("--tokens", type=int, default=128,
-                        help="tokens per request (default 128, as tokenmesh bench's --output-tokens)")
+    parser.add_argument(
+        "--per-slot",
+        type=int,
+        default=4,
+        help="requests per block per unit of concurrency (at least 40 per block; default 4)",
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=128, help="tokens per request (default 128, as tokenmesh bench's --output-tokens)"
+    )
     parser.add_argument("--ttft-ms", type=float, default=20.0, help="the synthetic engine's TTFT (default 20)")
-    parser.add_argument("--tokens-per-s", type=float, default=200.0,
-                        help="tokens per second per stream, one per response (default 200)")
+    parser.add_argument(
+        "--tokens-per-s", type=float, default=200.0, help="tokens per second per stream, one per response (default 200)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="workers, each with its own Triton (default 2)")
     parser.add_argument("--json", default="", help="write every block's figures here")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as folder:
-        repository = synthetic_repository(Path(folder), ttft_ms=args.ttft_ms, tokens_per_s=args.tokens_per_s,
-                                          responses_per_s=args.tokens_per_s, n_parallel=max(64, *args.levels))
+        repository = synthetic_repository(
+            Path(folder),
+            ttft_ms=args.ttft_ms,
+            tokens_per_s=args.tokens_per_s,
+            responses_per_s=args.tokens_per_s,
+            n_parallel=max(64, *args.levels),
+        )
         config = MeshConfig(workers=args.workers, port=0, model_repository=str(repository))
         with running_mesh(config) as mesh:
             assert mesh.router is not None

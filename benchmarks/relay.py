@@ -32,8 +32,11 @@ class Source(inference_pb2_grpc.InferenceServicer):
         self.interval = chunk_tokens / tokens_per_s
         self.chunk_tokens = chunk_tokens
 
-    async def Generate(self, request: inference_pb2.GenerateRequest,  # noqa: N802
-                       context: Any) -> AsyncIterator[inference_pb2.GenerateChunk]:
+    async def Generate(
+        self,
+        request: inference_pb2.GenerateRequest,  # noqa: N802
+        context: Any,
+    ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         """max_tokens tokens at the rate, then the final chunk."""
         loop = asyncio.get_running_loop()
         due = loop.time()
@@ -44,15 +47,26 @@ class Source(inference_pb2_grpc.InferenceServicer):
             count = min(self.chunk_tokens, request.max_tokens - sent)
             seq += 1
             yield inference_pb2.GenerateChunk(
-                request_id=request.request_id, seq=seq, token_count=count, model=MODEL,
-                text="".join(f" t{i}" for i in range(sent, sent + count)))
+                request_id=request.request_id,
+                seq=seq,
+                token_count=count,
+                model=MODEL,
+                text="".join(f" t{i}" for i in range(sent, sent + count)),
+            )
             sent += count
         yield inference_pb2.GenerateChunk(
-            request_id=request.request_id, seq=seq + 1, model=MODEL, finish_reason=inference_pb2.FINISH_REASON_LENGTH,
-            usage=inference_pb2.Usage(prompt_tokens=len(request.prompt.split()), completion_tokens=sent))
+            request_id=request.request_id,
+            seq=seq + 1,
+            model=MODEL,
+            finish_reason=inference_pb2.FINISH_REASON_LENGTH,
+            usage=inference_pb2.Usage(prompt_tokens=len(request.prompt.split()), completion_tokens=sent),
+        )
 
-    async def ListModels(self, request: inference_pb2.ListModelsRequest,  # noqa: N802
-                         context: Any) -> inference_pb2.ListModelsResponse:
+    async def ListModels(
+        self,
+        request: inference_pb2.ListModelsRequest,  # noqa: N802
+        context: Any,
+    ) -> inference_pb2.ListModelsResponse:
         """The one model."""
         return inference_pb2.ListModelsResponse(models=[inference_pb2.ModelInfo(name=MODEL, is_default=True)])
 
@@ -64,14 +78,20 @@ class Relay(inference_pb2_grpc.InferenceServicer):
         self.channel = grpc.aio.insecure_channel(upstream)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
 
-    async def Generate(self, request: inference_pb2.GenerateRequest,  # noqa: N802
-                       context: Any) -> AsyncIterator[inference_pb2.GenerateChunk]:
+    async def Generate(
+        self,
+        request: inference_pb2.GenerateRequest,  # noqa: N802
+        context: Any,
+    ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         """The upstream's chunks as they arrive."""
         async for chunk in self.stub.Generate(request):
             yield chunk
 
-    async def ListModels(self, request: inference_pb2.ListModelsRequest,  # noqa: N802
-                         context: Any) -> inference_pb2.ListModelsResponse:
+    async def ListModels(
+        self,
+        request: inference_pb2.ListModelsRequest,  # noqa: N802
+        context: Any,
+    ) -> inference_pb2.ListModelsResponse:
         """The upstream's models."""
         return await self.stub.ListModels(request)
 

@@ -51,8 +51,13 @@ from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.process import stop_process
 
 
-async def measure(addr: str, hop_pid: int, args: argparse.Namespace, workers: list[int],
-                  credentials: grpc.ChannelCredentials | None = None) -> tuple[list[RequestResult], float, float]:
+async def measure(
+    addr: str,
+    hop_pid: int,
+    args: argparse.Namespace,
+    workers: list[int],
+    credentials: grpc.ChannelCredentials | None = None,
+) -> tuple[list[RequestResult], float, float]:
     """Results, the hop's CPU seconds and the workers' (not their Tritons') for one closed-loop run."""
     target = MeshTarget(addr, ignore_eos=True, credentials=credentials)
     await target.open()
@@ -72,45 +77,67 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1000, help="tokens per stream")
     parser.add_argument("--requests", type=int, default=72, help="streams per run")
     parser.add_argument("--rounds", type=int, default=2, help="runs per target, interleaved")
-    parser.add_argument("--router-processes", type=int, default=1,
-                        help="router processes (their CPU is summed)")
+    parser.add_argument("--router-processes", type=int, default=1, help="router processes (their CPU is summed)")
     parser.add_argument("--tokens-per-s", type=float, default=1000.0, help="per stream (default 1000)")
-    parser.add_argument("--responses-per-s", type=float, default=200.0,
-                        help="engine responses (messages) per second per stream (default 200: 5 tokens each)")
-    parser.add_argument("--tls", action="store_true",
-                        help="also measure a second mesh with mutual TLS on every hop (tokenmesh certs identities), "
-                             "in the same alternation: the cost of mTLS")
-    parser.add_argument("--telemetry", action="store_true",
-                        help="also measure a second mesh with Prometheus metrics on (scraped every 5 s) and "
-                             "OpenTelemetry traces exported to an OTLP receiver in this process, in the same "
-                             "alternation: the cost of telemetry")
+    parser.add_argument(
+        "--responses-per-s",
+        type=float,
+        default=200.0,
+        help="engine responses (messages) per second per stream (default 200: 5 tokens each)",
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="also measure a second mesh with mutual TLS on every hop (tokenmesh certs identities), "
+        "in the same alternation: the cost of mTLS",
+    )
+    parser.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="also measure a second mesh with Prometheus metrics on (scraped every 5 s) and "
+        "OpenTelemetry traces exported to an OTLP receiver in this process, in the same "
+        "alternation: the cost of telemetry",
+    )
     args = parser.parse_args()
 
     chunk_tokens = max(1, round(args.tokens_per_s / args.responses_per_s))
     source_port, relay_port = free_port(), free_port()
-    source = start_relay("source", "--port", str(source_port), "--tokens-per-s", str(args.tokens_per_s),
-                         "--chunk-tokens", str(chunk_tokens))
+    source = start_relay(
+        "source",
+        "--port",
+        str(source_port),
+        "--tokens-per-s",
+        str(args.tokens_per_s),
+        "--chunk-tokens",
+        str(chunk_tokens),
+    )
     relay = start_relay("relay", "--port", str(relay_port), "--upstream", f"127.0.0.1:{source_port}")
     names = ["relay", "mesh", *(["telemetry"] if args.telemetry else []), *(["mtls"] if args.tls else [])]
     credentials: dict[str, grpc.ChannelCredentials] = {}
     runs: dict[str, list[tuple[list[RequestResult], float, float]]] = {name: [] for name in names}
     folder = tempfile.TemporaryDirectory()
     try:
-        repository = synthetic_repository(Path(folder.name), tokens_per_s=args.tokens_per_s,
-                                          responses_per_s=args.responses_per_s)
+        repository = synthetic_repository(
+            Path(folder.name), tokens_per_s=args.tokens_per_s, responses_per_s=args.responses_per_s
+        )
         config = MeshConfig(port=0, model_repository=str(repository), router_processes=args.router_processes)
         with contextlib.ExitStack() as stack:
             mesh = stack.enter_context(running_mesh(config))
             assert mesh.router is not None
-            hops = {"relay": (f"127.0.0.1:{relay_port}", relay.pid, []),
-                    "mesh": (mesh.router.address, mesh.router.proc.pid, [w.proc.pid for w in mesh.workers])}
+            hops = {
+                "relay": (f"127.0.0.1:{relay_port}", relay.pid, []),
+                "mesh": (mesh.router.address, mesh.router.proc.pid, [w.proc.pid for w in mesh.workers]),
+            }
             if args.telemetry:
                 endpoint = stack.enter_context(otlp_receiver())
                 env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}
                 metered = stack.enter_context(running_mesh(dataclasses.replace(config, metrics=True, extra_env=env)))
                 assert metered.router is not None
-                hops["telemetry"] = (metered.router.address, metered.router.proc.pid,
-                                     [w.proc.pid for w in metered.workers])
+                hops["telemetry"] = (
+                    metered.router.address,
+                    metered.router.proc.pid,
+                    [w.proc.pid for w in metered.workers],
+                )
                 stack.enter_context(scraping(metered))
             if args.tls:
                 tls_dir = str(make_dev_certs(Path(folder.name) / "certs"))
@@ -119,7 +146,7 @@ def main() -> None:
                 hops["mtls"] = (secured.router.address, secured.router.proc.pid, [w.proc.pid for w in secured.workers])
                 credentials["mtls"] = client_credentials(tls_dir)
             for round_ in range(args.rounds):
-                order = names[round_ % len(names):] + names[:round_ % len(names)]
+                order = names[round_ % len(names) :] + names[: round_ % len(names)]
                 for name in order:
                     addr, pid, workers = hops[name]
                     runs[name].append(asyncio.run(measure(addr, pid, args, workers, credentials.get(name))))
@@ -129,11 +156,15 @@ def main() -> None:
             stop_process(proc, 5)
         folder.cleanup()
 
-    print(f"\n{args.requests} streams of {args.tokens} tokens per run, concurrency {args.concurrency} "
-          f"(offered {args.concurrency * args.tokens_per_s:,.0f} tokens/s in {chunk_tokens}-token messages), "
-          f"{args.rounds} runs each")
-    print(f"{'target':8} {'tokens/s':>10} {'hop us/token':>13} {'per run':>16} {'workers us/token':>17} "
-          f"{'interrupted':>12} {'tokens/chunk':>13}")
+    print(
+        f"\n{args.requests} streams of {args.tokens} tokens per run, concurrency {args.concurrency} "
+        f"(offered {args.concurrency * args.tokens_per_s:,.0f} tokens/s in {chunk_tokens}-token messages), "
+        f"{args.rounds} runs each"
+    )
+    print(
+        f"{'target':8} {'tokens/s':>10} {'hop us/token':>13} {'per run':>16} {'workers us/token':>17} "
+        f"{'interrupted':>12} {'tokens/chunk':>13}"
+    )
     rates, hop_cost = {}, {}
     for name, measured in runs.items():
         results = [r for rs, _, _ in measured for r in rs]
@@ -145,18 +176,25 @@ def main() -> None:
         hop_cost[name] = cpu / tokens
         chunk = summarize(results)["tokens_per_chunk"]
         workers = f"{worker_cpu / tokens * 1e6:17.2f}" if name != "relay" else f"{'':17}"
-        print(f"{name:8} {rates[name]:10.0f} {cpu / tokens * 1e6:13.2f} "
-              f"{min(per_run):7.2f}..{max(per_run):<7.2f} {workers} "
-              f"{sum(not r.ok for r in results):>12} {chunk['mean'] if chunk else 0:13.2f}")
-    print(f"mesh / relay throughput: {rates['mesh'] / rates['relay']:.3f} (target >= 0.97); "
-          "router us/token target <= 8")
+        print(
+            f"{name:8} {rates[name]:10.0f} {cpu / tokens * 1e6:13.2f} "
+            f"{min(per_run):7.2f}..{max(per_run):<7.2f} {workers} "
+            f"{sum(not r.ok for r in results):>12} {chunk['mean'] if chunk else 0:13.2f}"
+        )
+    print(
+        f"mesh / relay throughput: {rates['mesh'] / rates['relay']:.3f} (target >= 0.97); router us/token target <= 8"
+    )
     if args.tls:
-        print(f"mtls / plaintext throughput: {rates['mtls'] / rates['mesh']:.3f} (target >= 0.9); router CPU per "
-              f"token: {hop_cost['mtls'] / hop_cost['mesh'] - 1:+.1%}")
+        print(
+            f"mtls / plaintext throughput: {rates['mtls'] / rates['mesh']:.3f} (target >= 0.9); router CPU per "
+            f"token: {hop_cost['mtls'] / hop_cost['mesh'] - 1:+.1%}"
+        )
     if args.telemetry:
-        print(f"telemetry on / off throughput: {rates['telemetry'] / rates['mesh']:.3f} (target >= 0.95); router "
-              f"CPU per token: {hop_cost['telemetry'] / hop_cost['mesh'] - 1:+.1%} (target <= +10%); "
-              f"{RECEIVED[0]} spans received")
+        print(
+            f"telemetry on / off throughput: {rates['telemetry'] / rates['mesh']:.3f} (target >= 0.95); router "
+            f"CPU per token: {hop_cost['telemetry'] / hop_cost['mesh'] - 1:+.1%} (target <= +10%); "
+            f"{RECEIVED[0]} spans received"
+        )
 
 
 RECEIVED = [0]

@@ -26,8 +26,10 @@ from common import percentile, running_mesh
 from tokenmesh.mesh import MeshConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 
-WORDS = ("river mountain lantern orchard harbor meadow compass glacier violet ember canyon willow "
-         "quartz falcon prairie lagoon summit cedar marble thunder").split()
+WORDS = (
+    "river mountain lantern orchard harbor meadow compass glacier violet ember canyon willow "
+    "quartz falcon prairie lagoon summit cedar marble thunder"
+).split()
 
 
 def system_prompt(k: int, tokens: int) -> str:
@@ -63,9 +65,14 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[str], order:
         def one(item: tuple[int, int]) -> tuple[float, int]:
             k, j = item
             request = inference_pb2.GenerateRequest(
-                messages=[inference_pb2.ChatMessage(role="system", content=prompts[k]),
-                          inference_pb2.ChatMessage(role="user", content=f"Which rule mentions number {j}?")],
-                max_tokens=args.max_tokens, ignore_eos=True, temperature=0)
+                messages=[
+                    inference_pb2.ChatMessage(role="system", content=prompts[k]),
+                    inference_pb2.ChatMessage(role="user", content=f"Which rule mentions number {j}?"),
+                ],
+                max_tokens=args.max_tokens,
+                ignore_eos=True,
+                temperature=0,
+            )
             sent, ttft, tokens = time.monotonic(), float("nan"), 0
             for chunk in stub.Generate(request, timeout=900):
                 if chunk.text and ttft != ttft:
@@ -81,8 +88,13 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[str], order:
         watcher.join()
         channel.close()
     ttfts = [r[0] for r in results]
-    return {"ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
-            "tok_s": sum(r[1] for r in results) / elapsed, "elapsed": elapsed, "propagation": propagation}
+    return {
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "tok_s": sum(r[1] for r in results) / elapsed,
+        "elapsed": elapsed,
+        "propagation": propagation,
+    }
 
 
 def main() -> None:
@@ -108,8 +120,10 @@ def main() -> None:
         r = results[policy]
         print(f"  {policy}: done in {r['elapsed']:.1f} s", flush=True)
 
-    print(f"\n{args.requests} chat requests, {args.prompts} system prompts of ~{args.system_tokens} tokens, "
-          f"{args.max_tokens} output tokens, concurrency {args.concurrency}, {args.workers} workers")
+    print(
+        f"\n{args.requests} chat requests, {args.prompts} system prompts of ~{args.system_tokens} tokens, "
+        f"{args.max_tokens} output tokens, concurrency {args.concurrency}, {args.workers} workers"
+    )
     print(f"{'policy':14} {'TTFT p50 s':>11} {'TTFT p99 s':>11} {'tokens/s':>9}")
     for policy, r in results.items():
         print(f"{policy:14} {r['ttft_p50']:11.3f} {r['ttft_p99']:11.3f} {r['tok_s']:9.1f}")
@@ -117,8 +131,10 @@ def main() -> None:
         ratio = results["prefix"]["ttft_p50"] / results["round-robin"]["ttft_p50"]
         print(f"prefix / round-robin TTFT p50: {ratio:.3f} (target <= 0.25)")
     propagation = [p for r in results.values() for p in r["propagation"]]
-    print(f"weight propagation (decision -> applied), {len(propagation)} tables: "
-          f"p50 {percentile(propagation, 50):.2f} ms, p99 {percentile(propagation, 99):.2f} ms (target <= 50 ms)")
+    print(
+        f"weight propagation (decision -> applied), {len(propagation)} tables: "
+        f"p50 {percentile(propagation, 50):.2f} ms, p99 {percentile(propagation, 99):.2f} ms (target <= 50 ms)"
+    )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ async def client(args: argparse.Namespace) -> None:
     async def one(i: int) -> None:
         nonlocal completed
         wanted = max(1, int((args.end_at - time.time()) * args.rate))
-        request = inference_pb2.GenerateRequest(prompt=f"stream {i}", max_tokens=wanted, ignore_eos=True,
-                                                request_id=f"{args.tag}-{i}")
+        request = inference_pb2.GenerateRequest(
+            prompt=f"stream {i}", max_tokens=wanted, ignore_eos=True, request_id=f"{args.tag}-{i}"
+        )
         expected, last, received = 1, 0.0, 0
         try:
             async for chunk in stubs[i % len(stubs)].Generate(request, timeout=args.end_at - time.time() + 120):
@@ -97,24 +98,54 @@ async def client(args: argparse.Namespace) -> None:
     await asyncio.gather(*tasks)
     for channel in channels:
         await channel.close()
-    Path(args.out).write_text(json.dumps({
-        "arrivals": list(arrivals), "tokens": list(tokens), "gaps": list(gaps), "gap_at": list(gap_at),
-        "errors": dict(errors), "failed_at": failed_at, "end_at": args.end_at, "completed": completed,
-        "streams": args.streams}))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "arrivals": list(arrivals),
+                "tokens": list(tokens),
+                "gaps": list(gaps),
+                "gap_at": list(gap_at),
+                "errors": dict(errors),
+                "failed_at": failed_at,
+                "end_at": args.end_at,
+                "completed": completed,
+                "streams": args.streams,
+            }
+        )
+    )
 
 
-def spawn_client(addr: str, streams: int, end_at: float, out: Path, tag: str,
-                 args: argparse.Namespace) -> subprocess.Popen[str]:
-    cmd = [sys.executable, __file__, "--client", "--addr", addr, "--streams", str(streams), "--end-at",
-           str(end_at), "--out", str(out), "--tag", tag, "--rate", str(args.rate), "--ramp-per-s",
-           str(args.ramp_per_s)]
+def spawn_client(
+    addr: str, streams: int, end_at: float, out: Path, tag: str, args: argparse.Namespace
+) -> subprocess.Popen[str]:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--client",
+        "--addr",
+        addr,
+        "--streams",
+        str(streams),
+        "--end-at",
+        str(end_at),
+        "--out",
+        str(out),
+        "--tag",
+        tag,
+        "--rate",
+        str(args.rate),
+        "--ramp-per-s",
+        str(args.ramp_per_s),
+    ]
     return subprocess.Popen(dies_with_parent(cmd), stdout=subprocess.PIPE, text=True)  # noqa: S603
 
 
 def part_cpu_seconds(parts: dict[str, list[int]]) -> dict[str, float]:
     """CPU seconds so far of each part of the mesh (an engine: Triton and its model stubs)."""
-    return {name: sum(map(tree_cpu_seconds, pids)) if name == "engines" else cpu_seconds(pids)
-            for name, pids in parts.items()}
+    return {
+        name: sum(map(tree_cpu_seconds, pids)) if name == "engines" else cpu_seconds(pids)
+        for name, pids in parts.items()
+    }
 
 
 def orchestrate(args: argparse.Namespace) -> None:
@@ -123,19 +154,35 @@ def orchestrate(args: argparse.Namespace) -> None:
     planned = sum(s / args.ramp_per_s for s in steps) + len(steps) * (args.settle_s + args.window_s) + 30
     slots = math.ceil(args.levels[-1] / args.workers) + 64
     with tempfile.TemporaryDirectory() as folder:
-        repository = synthetic_repository(Path(folder), ttft_ms=5, tokens_per_s=args.rate, responses_per_s=args.rate,
-                                          n_parallel=slots, n_ctx=slots * 4096)
-        config = MeshConfig(workers=args.workers, port=0, model_repository=str(repository), log_dir=args.log_dir,
-                            extra_env={"TOKENMESH_ROUTER_MAX_QUEUE": str(args.levels[-1]),
-                                       # A slow stream is not a stalled one: 3 gaps without a token.
-                                       "TOKENMESH_ROUTER_STALL_TIMEOUT_S": str(max(5.0, 3 / args.rate))})
+        repository = synthetic_repository(
+            Path(folder),
+            ttft_ms=5,
+            tokens_per_s=args.rate,
+            responses_per_s=args.rate,
+            n_parallel=slots,
+            n_ctx=slots * 4096,
+        )
+        config = MeshConfig(
+            workers=args.workers,
+            port=0,
+            model_repository=str(repository),
+            log_dir=args.log_dir,
+            extra_env={
+                "TOKENMESH_ROUTER_MAX_QUEUE": str(args.levels[-1]),
+                # A slow stream is not a stalled one: 3 gaps without a token.
+                "TOKENMESH_ROUTER_STALL_TIMEOUT_S": str(max(5.0, 3 / args.rate)),
+            },
+        )
         with running_mesh(config) as mesh:
             assert mesh.router is not None
             router = psutil.Process(mesh.router.proc.pid)
             assert mesh.prober is not None
-            parts = {"router": [mesh.router.proc.pid], "prober": [mesh.prober.proc.pid],
-                     "workers": [w.proc.pid for w in mesh.workers],
-                     "engines": [int(w.info["triton_pid"]) for w in mesh.workers]}  # each Triton with its stub
+            parts = {
+                "router": [mesh.router.proc.pid],
+                "prober": [mesh.prober.proc.pid],
+                "workers": [w.proc.pid for w in mesh.workers],
+                "engines": [int(w.info["triton_pid"]) for w in mesh.workers],
+            }  # each Triton with its stub
             time.sleep(2)
             base_rss = router.memory_info().rss
             end_at = time.time() + planned
@@ -156,8 +203,15 @@ def orchestrate(args: argparse.Namespace) -> None:
                     mesh1, t1 = part_cpu_seconds(parts), time.monotonic()
                     if time.time() > end_at - 5:
                         raise SystemExit("the ramp ran past the planned end of the streams; raise --ramp-per-s")
-                    windows.append({"level": level, "start": t0, "end": t1, "rss": router.memory_info().rss,
-                                    "cpu": {name: mesh1[name] - mesh0[name] for name in parts}})
+                    windows.append(
+                        {
+                            "level": level,
+                            "start": t0,
+                            "end": t1,
+                            "rss": router.memory_info().rss,
+                            "cpu": {name: mesh1[name] - mesh0[name] for name in parts},
+                        }
+                    )
                     print(f"  {level} open: measured {t1 - t0:.0f} s", flush=True)
                 for proc in clients:
                     proc.wait(timeout=planned + 180)
@@ -168,13 +222,16 @@ def orchestrate(args: argparse.Namespace) -> None:
     report(args, windows, results, base_rss)
 
 
-def report(args: argparse.Namespace, windows: list[dict[str, Any]], results: list[dict[str, Any]],
-           base_rss: int) -> None:
+def report(
+    args: argparse.Namespace, windows: list[dict[str, Any]], results: list[dict[str, Any]], base_rss: int
+) -> None:
     arrivals = [a for r in results for a in r["arrivals"]]
     tokens = [t for r in results for t in r["tokens"]]
     print(f"\n{args.workers} workers, {args.rate:g} tokens/s per stream, one router process")
-    print(f"{'open':>7} {'RSS/stream':>11} {'router us/token':>16} {'tokens/s':>9} {'gap p50 ms':>11} "
-          f"{'gap p99 ms':>11}   CPU, % of one core: router prober workers engines")
+    print(
+        f"{'open':>7} {'RSS/stream':>11} {'router us/token':>16} {'tokens/s':>9} {'gap p50 ms':>11} "
+        f"{'gap p99 ms':>11}   CPU, % of one core: router prober workers engines"
+    )
     per_chunk = list(zip(arrivals, tokens, strict=True))
     gaps_at = [(a, g) for r in results for a, g in zip(r["gap_at"], r["gaps"], strict=True)]  # dated by its end
     figures = []
@@ -182,36 +239,50 @@ def report(args: argparse.Namespace, windows: list[dict[str, Any]], results: lis
         got = sum(t for a, t in per_chunk if w["start"] <= a < w["end"])
         gaps = [g * 1000 for a, g in gaps_at if w["start"] <= a < w["end"] and g < 60]
         seconds = w["end"] - w["start"]
-        row = {"open": w["level"], "rss_per_stream_kb": (w["rss"] - base_rss) / w["level"] / 1024,
-               "router_us_per_token": w["cpu"]["router"] / max(got, 1) * 1e6, "tokens_per_s": got / seconds,
-               "gap_p50_ms": percentile(gaps, 50) if gaps else float("nan"),
-               "gap_p99_ms": percentile(gaps, 99) if gaps else float("nan"),
-               "cpu_percent": {name: 100 * c / seconds for name, c in w["cpu"].items()}}
+        row = {
+            "open": w["level"],
+            "rss_per_stream_kb": (w["rss"] - base_rss) / w["level"] / 1024,
+            "router_us_per_token": w["cpu"]["router"] / max(got, 1) * 1e6,
+            "tokens_per_s": got / seconds,
+            "gap_p50_ms": percentile(gaps, 50) if gaps else float("nan"),
+            "gap_p99_ms": percentile(gaps, 99) if gaps else float("nan"),
+            "cpu_percent": {name: 100 * c / seconds for name, c in w["cpu"].items()},
+        }
         figures.append(row)
-        print(f"{row['open']:>7} {row['rss_per_stream_kb']:>8.1f} KB {row['router_us_per_token']:>16.1f} "
-              f"{row['tokens_per_s']:>9.0f} {row['gap_p50_ms']:>11.1f} {row['gap_p99_ms']:>11.1f}   "
-              + " ".join(f"{row['cpu_percent'][name]:.0f}" for name in ("router", "prober", "workers", "engines")))
+        print(
+            f"{row['open']:>7} {row['rss_per_stream_kb']:>8.1f} KB {row['router_us_per_token']:>16.1f} "
+            f"{row['tokens_per_s']:>9.0f} {row['gap_p50_ms']:>11.1f} {row['gap_p99_ms']:>11.1f}   "
+            + " ".join(f"{row['cpu_percent'][name]:.0f}" for name in ("router", "prober", "workers", "engines"))
+        )
     errors: Counter[str] = Counter()
     for r in results:
         errors.update(r["errors"])
     completed = sum(r["completed"] for r in results)
     for r in results:
         if r["failed_at"]:
-            print(f"  client of {r['streams']} streams: {len(r['failed_at'])} failed, "
-                  f"{min(r['failed_at']) - r['end_at']:+.1f}..{max(r['failed_at']) - r['end_at']:+.1f} s "
-                  "from the planned end")
+            print(
+                f"  client of {r['streams']} streams: {len(r['failed_at'])} failed, "
+                f"{min(r['failed_at']) - r['end_at']:+.1f}..{max(r['failed_at']) - r['end_at']:+.1f} s "
+                "from the planned end"
+            )
     print(f"streams completed: {completed}/{sum(r['streams'] for r in results)}; errors: {dict(errors) or 'none'}")
     if len(figures) > 1:
-        print(f"p99 gap at {figures[-1]['open']} - at {figures[0]['open']}: "
-              f"{figures[-1]['gap_p99_ms'] - figures[0]['gap_p99_ms']:+.1f} ms (target <= 10)")
+        print(
+            f"p99 gap at {figures[-1]['open']} - at {figures[0]['open']}: "
+            f"{figures[-1]['gap_p99_ms'] - figures[0]['gap_p99_ms']:+.1f} ms (target <= 10)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"levels": figures, "errors": dict(errors), "completed": completed}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1000, 5000, 10000],
-                        help="open streams at each step, ascending (default 1000,5000,10000)")
+    parser.add_argument(
+        "--levels",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1000, 5000, 10000],
+        help="open streams at each step, ascending (default 1000,5000,10000)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="workers, each with its own Triton (default 2)")
     parser.add_argument("--rate", type=float, default=1.0, help="tokens/s per stream (default 1)")
     parser.add_argument("--ramp-per-s", type=float, default=500.0, help="streams opened per second (default 500)")

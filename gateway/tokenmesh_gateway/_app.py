@@ -73,8 +73,12 @@ class GatewayApp:
         """A span per generation (OpenTelemetry's no-op tracer while tracing is off)."""
         self.registry = CollectorRegistry()
         """The gateway's Prometheus metrics, served at /metrics."""
-        self.requests = Counter("tokenmesh_gateway_http_requests_total", "HTTP requests by route and status",
-                                ["route", "status"], registry=self.registry)
+        self.requests = Counter(
+            "tokenmesh_gateway_http_requests_total",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=self.registry,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer one request (and count it by route and status)."""
@@ -124,13 +128,14 @@ class GatewayApp:
             request.request_id = prefix + request_id
         if tenant:
             request.labels["tenant"] = tenant
-        answer = Answer(kind, parsed.stream, parsed.include_usage, parsed.continuous_usage, request.model,
-                        int(time.time()), prefix)
+        answer = Answer(
+            kind, parsed.stream, parsed.include_usage, parsed.continuous_usage, request.model, int(time.time()), prefix
+        )
         span, metadata = self._span(scope, kind, request.model or "default")
         try:
             await self.exchanges.answer(
-                lambda: self.client.generate(request, timeout=self._timeout(), metadata=metadata), answer,
-                receive, send)
+                lambda: self.client.generate(request, timeout=self._timeout(), metadata=metadata), answer, receive, send
+            )
         finally:
             span.end()
 
@@ -149,19 +154,36 @@ class GatewayApp:
         continuous = include and _flag(query, "continuous_usage_stats")
         await self._resume(kind, request_id, after, tenant, include, continuous, receive, send, scope=scope)
 
-    async def _resume(self, kind: Kind, request_id: str, after: int, tenant: str, include_usage: bool,
-                      continuous_usage: bool, receive: Receive, send: Send, model: str = "",
-                      scope: Scope | None = None) -> None:
+    async def _resume(
+        self,
+        kind: Kind,
+        request_id: str,
+        after: int,
+        tenant: str,
+        include_usage: bool,
+        continuous_usage: bool,
+        receive: Receive,
+        send: Send,
+        model: str = "",
+        scope: Scope | None = None,
+    ) -> None:
         # A resumed stream's chunks may name no model: the caller's (a repeated POST), else the default.
         prefix = f"{tenant}/" if tenant else ""
-        answer = Answer(kind, True, include_usage, continuous_usage, model or self.config.default_model,
-                        int(time.time()), prefix)
-        span, metadata = (self._span(scope, kind, model or self.config.default_model or "default")
-                          if scope is not None else (trace.INVALID_SPAN, ()))
+        answer = Answer(
+            kind, True, include_usage, continuous_usage, model or self.config.default_model, int(time.time()), prefix
+        )
+        span, metadata = (
+            self._span(scope, kind, model or self.config.default_model or "default")
+            if scope is not None
+            else (trace.INVALID_SPAN, ())
+        )
         try:
             await self.exchanges.answer(
                 lambda: self.client.resume(prefix + request_id, after, timeout=self._timeout(), metadata=metadata),
-                answer, receive, send)
+                answer,
+                receive,
+                send,
+            )
         finally:
             span.end()
 
@@ -172,13 +194,23 @@ class GatewayApp:
         it is the no-op tracer's, which carries the caller's trace context on
         to the router.
         """
-        carrier = {name: value.decode("latin-1") for name in ("traceparent", "tracestate")
-                   if (value := header(scope, name.encode())) is not None}
+        carrier = {
+            name: value.decode("latin-1")
+            for name in ("traceparent", "tracestate")
+            if (value := header(scope, name.encode())) is not None
+        }
         name = operation(kind == "chat")
-        span = self.tracer.start_span(f"{name} {model}", context=from_mapping(carrier), kind=trace.SpanKind.SERVER,
-                                      attributes={"gen_ai.operation.name": name, "gen_ai.request.model": model,
-                                                  "http.request.method": scope.get("method", ""),
-                                                  "url.path": scope.get("path", "")})
+        span = self.tracer.start_span(
+            f"{name} {model}",
+            context=from_mapping(carrier),
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "gen_ai.operation.name": name,
+                "gen_ai.request.model": model,
+                "http.request.method": scope.get("method", ""),
+                "url.path": scope.get("path", ""),
+            },
+        )
         return span, tuple(inject(span).items())
 
     async def _cancel(self, kind: Kind, request_id: str, scope: Scope, send: Send) -> None:
@@ -188,9 +220,17 @@ class GatewayApp:
             response = await self.client.cancel((f"{tenant}/" if tenant else "") + request_id)
         except MeshError as error:
             raise from_mesh(error) from error
-        await respond(send, 200, orjson.dumps({"id": response_id(kind, request_id),
-                                               "object": f"{_OBJECT[kind]}.deleted",
-                                               "deleted": response.cancelled}))
+        await respond(
+            send,
+            200,
+            orjson.dumps(
+                {
+                    "id": response_id(kind, request_id),
+                    "object": f"{_OBJECT[kind]}.deleted",
+                    "deleted": response.cancelled,
+                }
+            ),
+        )
 
     # -- the rest -----------------------------------------------------------------
 
@@ -208,8 +248,12 @@ class GatewayApp:
             if model["id"] == name:
                 await respond(send, 200, orjson.dumps(model))
                 return
-        raise HttpError(404, f"the model {name!r} does not exist; GET /v1/models lists the models",
-                        param="model", code="model_not_found")
+        raise HttpError(
+            404,
+            f"the model {name!r} does not exist; GET /v1/models lists the models",
+            param="model",
+            code="model_not_found",
+        )
 
     async def _health(self, send: Send) -> None:
         if self.draining:
@@ -219,9 +263,16 @@ class GatewayApp:
 
     async def _metrics(self, send: Send) -> None:
         body = generate_latest(self.registry)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
-                                (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", CONTENT_TYPE_LATEST.encode()),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     def _tenant(self, scope: Scope) -> str:
@@ -232,8 +283,12 @@ class GatewayApp:
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
-            raise HttpError(503, "this gateway is shutting down; send the request to another one",
-                            code="unavailable", retry_after_ms=DEFAULT_RETRY_AFTER_MS)
+            raise HttpError(
+                503,
+                "this gateway is shutting down; send the request to another one",
+                code="unavailable",
+                retry_after_ms=DEFAULT_RETRY_AFTER_MS,
+            )
 
     def _timeout(self) -> float | None:
         return self.config.timeout_s or None
@@ -281,16 +336,18 @@ def _request_id(scope: Scope) -> str:
 
 def _check_id(request_id: str, what: str) -> None:
     if not REQUEST_ID.fullmatch(request_id):
-        raise invalid(f"{what} must be 1-128 characters of A-Z a-z 0-9 . _ ~ : -, got {request_id[:140]!r}",
-                      "request_id")
+        raise invalid(
+            f"{what} must be 1-128 characters of A-Z a-z 0-9 . _ ~ : -, got {request_id[:140]!r}", "request_id"
+        )
 
 
 def _last_event(value: str, request_id: str) -> tuple[str, int]:
     """(request id, seq) of a ``Last-Event-ID: <request_id>:<seq>``; it must match request_id when one is given."""
     event_id, colon, seq = value.strip().rpartition(":")
     if not colon:
-        raise invalid(f"Last-Event-ID must be <request_id>:<seq>, as the events' id lines, got {value[:140]!r}",
-                      "Last-Event-ID")
+        raise invalid(
+            f"Last-Event-ID must be <request_id>:<seq>, as the events' id lines, got {value[:140]!r}", "Last-Event-ID"
+        )
     _check_id(event_id, "Last-Event-ID's request id")
     if request_id and event_id != request_id:
         raise invalid(f"Last-Event-ID names {event_id!r}, the request {request_id!r}", "Last-Event-ID")
@@ -309,8 +366,13 @@ def _flag(query: dict[str, list[str]], name: str) -> bool:
 
 
 def _model(model: inference_pb2.ModelInfo, created: int) -> dict[str, Any]:
-    return {"id": model.name, "object": "model", "created": created, "owned_by": "tokenmesh",
-            "max_model_len": model.max_context}
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "tokenmesh",
+        "max_model_len": model.max_context,
+    }
 
 
 # -- the route table ------------------------------------------------------------------
@@ -332,30 +394,61 @@ class Route:
 
 
 ROUTES: tuple[Route, ...] = (
-    Route("POST", "/v1/chat/completions", "a chat generation, streamed (SSE) or whole; with `Last-Event-ID`: "
-          "resume a stream after that event",
-          lambda app, scope, receive, send, _: app._generate("chat", scope, receive, send)),
-    Route("POST", "/v1/completions", "a completion, streamed (SSE) or whole; with `Last-Event-ID`: resume a "
-          "stream after that event",
-          lambda app, scope, receive, send, _: app._generate("completion", scope, receive, send)),
-    Route("GET", "/v1/chat/completions/{id}/stream", "resume a stream after `Last-Event-ID` (or "
-          "`?starting_after=SEQ`; from the start without)",
-          lambda app, scope, receive, send, p: app._resume_get("chat", p["id"], scope, receive, send)),
-    Route("GET", "/v1/completions/{id}/stream", "resume a stream after `Last-Event-ID` (or "
-          "`?starting_after=SEQ`; from the start without)",
-          lambda app, scope, receive, send, p: app._resume_get("completion", p["id"], scope, receive, send)),
-    Route("DELETE", "/v1/chat/completions/{id}", "cancel the generation, wherever it runs",
-          lambda app, scope, _, send, p: app._cancel("chat", p["id"], scope, send)),
-    Route("DELETE", "/v1/completions/{id}", "cancel the generation, wherever it runs",
-          lambda app, scope, _, send, p: app._cancel("completion", p["id"], scope, send)),
-    Route("GET", "/v1/models", "the models the mesh serves now",
-          lambda app, scope, _, send, __: app._models(scope, send, None)),
-    Route("GET", "/v1/models/{model}", "one model the mesh serves now (404 `model_not_found` if none)",
-          lambda app, scope, _, send, p: app._models(scope, send, p["model"])),
-    Route("GET", "/health", "200 `{\"status\":\"ok\"}` while serving, 503 once draining",
-          lambda app, _, __, send, ___: app._health(send)),
-    Route("GET", "/metrics", "the gateway's Prometheus metrics",
-          lambda app, _, __, send, ___: app._metrics(send)),
+    Route(
+        "POST",
+        "/v1/chat/completions",
+        "a chat generation, streamed (SSE) or whole; with `Last-Event-ID`: resume a stream after that event",
+        lambda app, scope, receive, send, _: app._generate("chat", scope, receive, send),
+    ),
+    Route(
+        "POST",
+        "/v1/completions",
+        "a completion, streamed (SSE) or whole; with `Last-Event-ID`: resume a stream after that event",
+        lambda app, scope, receive, send, _: app._generate("completion", scope, receive, send),
+    ),
+    Route(
+        "GET",
+        "/v1/chat/completions/{id}/stream",
+        "resume a stream after `Last-Event-ID` (or `?starting_after=SEQ`; from the start without)",
+        lambda app, scope, receive, send, p: app._resume_get("chat", p["id"], scope, receive, send),
+    ),
+    Route(
+        "GET",
+        "/v1/completions/{id}/stream",
+        "resume a stream after `Last-Event-ID` (or `?starting_after=SEQ`; from the start without)",
+        lambda app, scope, receive, send, p: app._resume_get("completion", p["id"], scope, receive, send),
+    ),
+    Route(
+        "DELETE",
+        "/v1/chat/completions/{id}",
+        "cancel the generation, wherever it runs",
+        lambda app, scope, _, send, p: app._cancel("chat", p["id"], scope, send),
+    ),
+    Route(
+        "DELETE",
+        "/v1/completions/{id}",
+        "cancel the generation, wherever it runs",
+        lambda app, scope, _, send, p: app._cancel("completion", p["id"], scope, send),
+    ),
+    Route(
+        "GET",
+        "/v1/models",
+        "the models the mesh serves now",
+        lambda app, scope, _, send, __: app._models(scope, send, None),
+    ),
+    Route(
+        "GET",
+        "/v1/models/{model}",
+        "one model the mesh serves now (404 `model_not_found` if none)",
+        lambda app, scope, _, send, p: app._models(scope, send, p["model"]),
+    ),
+    Route(
+        "GET",
+        "/health",
+        '200 `{"status":"ok"}` while serving, 503 once draining',
+        lambda app, _, __, send, ___: app._health(send),
+    ),
+    Route("GET", "/metrics", "the gateway's Prometheus metrics", lambda app, _, __, send, ___: app._metrics(send)),
 )
 """Every route the gateway serves; nothing else answers but 404 and 405."""
 
@@ -408,8 +501,7 @@ class RouteTable:
 def _compile(template: str) -> re.Pattern[str]:
     """``/v1/models/{model}`` -> a pattern with one named group per ``{name}``, each one path segment."""
     parts = re.split(r"\{(\w+)\}", template)
-    return re.compile("".join(re.escape(part) if i % 2 == 0 else f"(?P<{part}>[^/]+)"
-                              for i, part in enumerate(parts)))
+    return re.compile("".join(re.escape(part) if i % 2 == 0 else f"(?P<{part}>[^/]+)" for i, part in enumerate(parts)))
 
 
 TABLE = RouteTable(ROUTES)

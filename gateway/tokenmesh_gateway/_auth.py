@@ -29,8 +29,10 @@ def load_keys(path: str) -> dict[str, str]:
             continue
         match = _LINE.fullmatch(text)
         if match is None:
-            raise ConfigError(f"api_keys_file {path}:{number}: expected 'sha256hex tenant' (64 hex digits, a "
-                              "space, a tenant name without spaces)")
+            raise ConfigError(
+                f"api_keys_file {path}:{number}: expected 'sha256hex tenant' (64 hex digits, a "
+                "space, a tenant name without spaces)"
+            )
         digest = match.group(1).lower()
         if digest in keys:
             raise ConfigError(f"api_keys_file {path}:{number}: this key hash is listed twice")
@@ -48,11 +50,13 @@ def hash_key(key: str) -> str:
 def tenant_of(keys: dict[str, str], authorization: bytes | None) -> str:
     """The tenant of the caller's ``Authorization: Bearer KEY``; 401 without a listed key."""
     if authorization is None:
-        raise HttpError(401, "this gateway needs an API key: send 'Authorization: Bearer KEY'",
-                        code="invalid_api_key")
+        raise HttpError(401, "this gateway needs an API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
     scheme, _, key = authorization.decode("latin-1").strip().partition(" ")
     tenant = keys.get(hash_key(key.strip())) if scheme.lower() == "bearer" else None
     if tenant is None:
-        raise HttpError(401, "the API key is not valid: send 'Authorization: Bearer KEY' with a key this gateway "
-                             "lists", code="invalid_api_key")
+        raise HttpError(
+            401,
+            "the API key is not valid: send 'Authorization: Bearer KEY' with a key this gateway lists",
+            code="invalid_api_key",
+        )
     return tenant

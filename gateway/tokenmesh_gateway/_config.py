@@ -15,29 +15,51 @@ class GatewayConfig(TlsSettings):
 
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "HTTP port; 0 picks a free one")
-    routers: tuple[str, ...] = setting((), "router addresses host:port, comma-separated, or one DNS name whose "
-                                           "A records are the routers; a stream whose router fails resumes on "
-                                           "another", parse=csv)
-    api_keys_file: str = setting("", "file of accepted API keys, one 'sha256hex tenant' per line ('#' starts a "
-                                     "comment); when set, every /v1 call needs 'Authorization: Bearer KEY' and its "
-                                     "tenant becomes the generation's tenant label; empty = no keys")
+    routers: tuple[str, ...] = setting(
+        (),
+        "router addresses host:port, comma-separated, or one DNS name whose "
+        "A records are the routers; a stream whose router fails resumes on "
+        "another",
+        parse=csv,
+    )
+    api_keys_file: str = setting(
+        "",
+        "file of accepted API keys, one 'sha256hex tenant' per line ('#' starts a "
+        "comment); when set, every /v1 call needs 'Authorization: Bearer KEY' and its "
+        "tenant becomes the generation's tenant label; empty = no keys",
+    )
     default_model: str = setting("", "model for requests that name none; empty = the mesh's default model")
     max_body_bytes: int = setting(1024 * 1024, "largest request body, in bytes; a larger one gets 413")
-    max_header_bytes: int = setting(32 * 1024, "largest request line plus headers, in bytes; more gets 431 and "
-                                               "the connection closed")
-    keepalive_s: float = setting(15.0, "a stream silent this long gets a ': keep-alive' comment line (proxies "
-                                       "drop idle connections)")
-    timeout_s: float = setting(0.0, "longest a generation may take, retries and resumes included (504 before "
-                                    "the first chunk, an error event after); 0 = no limit")
-    retry_deadline_s: float = setting(10.0, "how long a request may be retried on other routers before its first "
-                                            "chunk, and a broken stream be resumed, before the caller gets the error")
+    max_header_bytes: int = setting(
+        32 * 1024, "largest request line plus headers, in bytes; more gets 431 and the connection closed"
+    )
+    keepalive_s: float = setting(
+        15.0, "a stream silent this long gets a ': keep-alive' comment line (proxies drop idle connections)"
+    )
+    timeout_s: float = setting(
+        0.0,
+        "longest a generation may take, retries and resumes included (504 before "
+        "the first chunk, an error event after); 0 = no limit",
+    )
+    retry_deadline_s: float = setting(
+        10.0,
+        "how long a request may be retried on other routers before its first "
+        "chunk, and a broken stream be resumed, before the caller gets the error",
+    )
     max_resumes: int = setting(8, "times one stream may be resumed on another router after its stream broke")
-    drain_grace_s: float = setting(30.0, "on SIGTERM, how long open streams may take to finish (new requests get "
-                                         "503 meanwhile); streams still open then end with an error event")
-    drain_tail_s: float = setting(2.0, "after drain_grace_s, how long the streams it ended get to write their "
-                                       "error event before the HTTP server stops")
-    stop_grace_s: float = setting(2.0, "once the HTTP server stops, how long answers still being written get "
-                                       "before their connections are closed")
+    drain_grace_s: float = setting(
+        30.0,
+        "on SIGTERM, how long open streams may take to finish (new requests get "
+        "503 meanwhile); streams still open then end with an error event",
+    )
+    drain_tail_s: float = setting(
+        2.0,
+        "after drain_grace_s, how long the streams it ended get to write their "
+        "error event before the HTTP server stops",
+    )
+    stop_grace_s: float = setting(
+        2.0, "once the HTTP server stops, how long answers still being written get before their connections are closed"
+    )
     ready_file: str = setting("", "write {address, url, pid} as JSON here once serving")
 
     def __post_init__(self) -> None:
@@ -47,10 +69,14 @@ class GatewayConfig(TlsSettings):
         for address in self.routers:
             problem = address_error(address)
             check(not problem, f"router address {address!r}: {problem}")
-        check(1024 <= self.max_body_bytes <= 64 * 1024 * 1024,
-              f"max_body_bytes must be 1024..67108864, got {self.max_body_bytes}")
-        check(1024 <= self.max_header_bytes <= 1024 * 1024,
-              f"max_header_bytes must be 1024..1048576, got {self.max_header_bytes}")
+        check(
+            1024 <= self.max_body_bytes <= 64 * 1024 * 1024,
+            f"max_body_bytes must be 1024..67108864, got {self.max_body_bytes}",
+        )
+        check(
+            1024 <= self.max_header_bytes <= 1024 * 1024,
+            f"max_header_bytes must be 1024..1048576, got {self.max_header_bytes}",
+        )
         check(0 < self.keepalive_s <= 3600, f"keepalive_s must be in (0, 3600], got {self.keepalive_s}")
         check(self.timeout_s >= 0, f"timeout_s must be >= 0 (0 = no limit), got {self.timeout_s}")
         check(self.retry_deadline_s > 0, f"retry_deadline_s must be > 0, got {self.retry_deadline_s}")

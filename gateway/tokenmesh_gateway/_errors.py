@@ -18,8 +18,13 @@ import orjson
 
 from tokenmesh.errors import MeshError, ResourceExhausted, Unavailable, label
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 429: "rate_limit_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+}
 """OpenAI's error ``type`` per status; any other 4xx is an invalid request, 5xx a server error."""
 
 DEFAULT_RETRY_AFTER_MS = 1000
@@ -47,8 +52,15 @@ class HttpError(Exception):
     code: str | None
     retry_after_ms: int | None
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_ms: int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_ms: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

@@ -17,8 +17,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 """Event streams are not cached, and nginx-style proxies must pass each event on at once."""
 
 
@@ -51,14 +50,20 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 
 def _too_large(size: int, limit: int) -> HttpError:
-    return HttpError(413, f"the request body is {size} bytes or more; the limit is {limit} bytes",
-                     code="request_too_large")
+    return HttpError(
+        413, f"the request body is {size} bytes or more; the limit is {limit} bytes", code="request_too_large"
+    )
 
 
 async def respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     """A complete JSON response."""
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*JSON_HEADERS, (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*JSON_HEADERS, (b"content-length", str(len(body)).encode()), *(headers or [])],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -130,8 +130,9 @@ def _limits(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> Non
         limit_name = "max_completion_tokens"
     if max_tokens is not None:
         if not 1 <= max_tokens <= UINT32_MAX:
-            raise invalid(f"{limit_name} must be at least 1 and at most the model's context, got {max_tokens}",
-                          limit_name)
+            raise invalid(
+                f"{limit_name} must be at least 1 and at most the model's context, got {max_tokens}", limit_name
+            )
         request.max_tokens = max_tokens
 
 
@@ -200,8 +201,11 @@ def _content(content: Any, where: str) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else _type_name(part)
-                raise invalid(f"{where}[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}; tokenmesh takes "
-                              f"text only (got {_short(kind)})", f"{where}[{j}]")
+                raise invalid(
+                    f'{where}[{j}] must be {{"type": "text", "text": "..."}}; tokenmesh takes '
+                    f"text only (got {_short(kind)})",
+                    f"{where}[{j}]",
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise invalid(f"{where} must be a string or a list of text parts, got {_type_name(content)}", where)
@@ -211,8 +215,11 @@ def _prompt(body: dict[str, Any]) -> str:
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise invalid("prompt must be a string or a list of one string (one prompt per request; token ids "
-                          f"are not accepted), got a list of {len(prompt)}", "prompt")
+            raise invalid(
+                "prompt must be a string or a list of one string (one prompt per request; token ids "
+                f"are not accepted), got a list of {len(prompt)}",
+                "prompt",
+            )
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise invalid(f"prompt must be a string, got {_type_name(prompt)}", "prompt")
@@ -285,11 +292,17 @@ def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
 
 
 def _type_name(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def _short(value: Any) -> str:
     text = orjson.dumps(value).decode() if value is not None else "null"
     return text if len(text) <= 60 else text[:57] + "..."
-

@@ -49,18 +49,27 @@ class BoundedHeaders(HttpToolsProtocol):
             seen = self._tail + data
             end = seen.find(HEADER_END)
             self._header_bytes += len(data) if end < 0 else max(0, end + len(HEADER_END) - len(self._tail))
-            self._tail = seen[-(len(HEADER_END) - 1):]
+            self._tail = seen[-(len(HEADER_END) - 1) :]
             if self._header_bytes > self.max_header_bytes:
                 self._refuse()
                 return
         super().data_received(data)
 
     def _refuse(self) -> None:
-        body = orjson.dumps({"error": {
-            "message": f"request line and headers over {self.max_header_bytes} bytes; send smaller headers",
-            "type": "invalid_request_error", "param": None, "code": "request_header_fields_too_large"}})
-        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-                             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+        body = orjson.dumps(
+            {
+                "error": {
+                    "message": f"request line and headers over {self.max_header_bytes} bytes; send smaller headers",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_header_fields_too_large",
+                }
+            }
+        )
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
+        )
         # Closing with the caller's bytes unread would reset the connection and lose the answer: drop what
         # still comes for a moment (bounded, nothing is kept), then close.
         self._refused = True

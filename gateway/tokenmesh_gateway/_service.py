@@ -83,9 +83,14 @@ class Gateway(Lifecycle):
         keys = load_keys(cfg.api_keys_file) if cfg.api_keys_file else None
         self.tracing = Tracing("gateway")
         # To the routers as the gateway identity (mtls), verifying them (tls and mtls); RPC spans while tracing.
-        self.client = Client(cfg.routers, retry_deadline_s=cfg.retry_deadline_s, max_resumes=cfg.max_resumes,
-                             credentials=self._tls.credentials(), server_name=cfg.tls_server_name,
-                             tracing=self.tracing)
+        self.client = Client(
+            cfg.routers,
+            retry_deadline_s=cfg.retry_deadline_s,
+            max_resumes=cfg.max_resumes,
+            credentials=self._tls.credentials(),
+            server_name=cfg.tls_server_name,
+            tracing=self.tracing,
+        )
         if cfg.tls_mode != "off":
             self.spawn(self._follow_certificates(), "certificate renewals")
         self.app = GatewayApp(self.client, cfg, keys)
@@ -95,8 +100,12 @@ class Gateway(Lifecycle):
         server = self._server = self._uvicorn(self.app)
         await server.startup(sockets=[self._socket])
         self._main_loop = self.spawn(server.main_loop(), "uvicorn")
-        log.info("gateway serving on %s (routers %s)%s", self.url, ",".join(cfg.routers),
-                 ", API keys required" if keys else "")
+        log.info(
+            "gateway serving on %s (routers %s)%s",
+            self.url,
+            ",".join(cfg.routers),
+            ", API keys required" if keys else "",
+        )
         write_ready_file(cfg.ready_file, address=self.address, url=self.url, pid=os.getpid())
 
     def _uvicorn(self, app: GatewayApp) -> uvicorn.Server:
@@ -107,14 +116,24 @@ class Gateway(Lifecycle):
 
         cfg = self.config
         https = cfg.tls_mode != "off"  # HTTPS; with mtls callers must present a certificate the CA signed
-        server = uvicorn.Server(uvicorn.Config(
-            app, http=bounded(cfg.max_header_bytes), ws="none", lifespan="off", interface="asgi3",
-            access_log=False, log_config=None, proxy_headers=False, server_header=False,
-            timeout_graceful_shutdown=cfg.stop_grace_s,  # type: ignore[arg-type]  # an int in its hints, a wait_for timeout in use
-            ssl_certfile=cfg.tls_cert if https else None, ssl_keyfile=cfg.tls_key if https else None,
-            ssl_ca_certs=cfg.tls_ca if https else None,
-            ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_mode == "mtls" else ssl.CERT_NONE,
-        ))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                http=bounded(cfg.max_header_bytes),
+                ws="none",
+                lifespan="off",
+                interface="asgi3",
+                access_log=False,
+                log_config=None,
+                proxy_headers=False,
+                server_header=False,
+                timeout_graceful_shutdown=cfg.stop_grace_s,  # type: ignore[arg-type]  # an int in its hints, a wait_for timeout in use
+                ssl_certfile=cfg.tls_cert if https else None,
+                ssl_keyfile=cfg.tls_key if https else None,
+                ssl_ca_certs=cfg.tls_ca if https else None,
+                ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_mode == "mtls" else ssl.CERT_NONE,
+            )
+        )
         server.config.load()
         server.lifespan = server.config.lifespan_class(server.config)
         return server
@@ -170,7 +189,8 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.bind((bare, port))
     except OSError as exc:
         sock.close()
-        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port "
-                      "(0 picks a free one)") from None
+        raise OSError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port (0 picks a free one)"
+        ) from None
     sock.setblocking(False)
     return sock

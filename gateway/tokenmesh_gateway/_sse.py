@@ -51,8 +51,11 @@ def response_id(kind: Kind, request_id: str) -> str:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """OpenAI's usage object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class Encoder:
@@ -80,23 +83,33 @@ class Encoder:
     _text_head: bytes
     _text_tail: bytes
 
-    def __init__(self, kind: Kind, request_id: str, created: int, model: str, *, include_usage: bool = False,
-                 continuous_usage: bool = False) -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        request_id: str,
+        created: int,
+        model: str,
+        *,
+        include_usage: bool = False,
+        continuous_usage: bool = False,
+    ) -> None:
         self.kind = kind
         self.request_id = request_id
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
         self.completion_tokens = 0
-        head = {"id": response_id(kind, request_id), "object": _CHUNK_OBJECT[kind], "created": created,
-                "model": model}
+        head = {"id": response_id(kind, request_id), "object": _CHUNK_OBJECT[kind], "created": created, "model": model}
         # '{"id":...,"model":"m"' without the closing brace: each event appends its own fields.
         self._head = b"data: " + orjson.dumps(head)[:-1]
         self._first = True
         self._id_line = b"id: " + orjson.dumps(request_id)[1:-1] + b":"
         # Most events: a text delta, not the first, not the last, no usage. All of it but the text is fixed.
         opening = b'{"index":0,"delta":{"content":' if kind == "chat" else b'{"index":0,"text":'
-        closing = b'},"logprobs":null,"finish_reason":null}]}\n\n' if kind == "chat" else \
-            b',"logprobs":null,"finish_reason":null}]}\n\n'
+        closing = (
+            b'},"logprobs":null,"finish_reason":null}]}\n\n'
+            if kind == "chat"
+            else b',"logprobs":null,"finish_reason":null}]}\n\n'
+        )
         self._text_head = b"\n" + self._head + b',"choices":[' + opening
         self._text_tail = closing
 
@@ -105,8 +118,9 @@ class Encoder:
         self.completion_tokens += chunk.token_count
         final = bool(chunk.finish_reason)
         if not (final or self._first or self.continuous_usage):
-            return self._id_line + str(chunk.seq).encode() + self._text_head + orjson.dumps(chunk.text) + \
-                self._text_tail
+            return (
+                self._id_line + str(chunk.seq).encode() + self._text_head + orjson.dumps(chunk.text) + self._text_tail
+            )
         reason = b"null"
         if final:
             reason = b'"' + FINISH_REASONS.get(chunk.finish_reason, "stop").encode() + b'"'
@@ -127,8 +141,12 @@ class Encoder:
             tail = b',"usage":' + orjson.dumps(usage(prompt, self.completion_tokens))
         event = self._head + b',"choices":[' + choice + b"]" + tail + b"}\n"
         if final and self.include_usage:
-            last = self._head + b',"choices":[],"usage":' + orjson.dumps(
-                usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens)) + b"}\n"
+            last = (
+                self._head
+                + b',"choices":[],"usage":'
+                + orjson.dumps(usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
+                + b"}\n"
+            )
             return event + b"\n" + self._id(chunk.seq) + last + b"\n"
         return self._id(chunk.seq) + event + b"\n"
 
@@ -141,15 +159,35 @@ def error_event(error: HttpError) -> bytes:
     return b"data: " + error.body() + b"\n\n" + DONE
 
 
-def completion_body(kind: Kind, request_id: str, created: int, model: str, text: str, finish_reason: int,
-                    prompt_tokens: int, completion_tokens: int) -> bytes:
+def completion_body(
+    kind: Kind,
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> bytes:
     """The non-streamed response: ``chat.completion`` or ``text_completion`` with its usage."""
     reason = FINISH_REASONS.get(finish_reason, "stop")
     choice: dict[str, Any]
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-    return orjson.dumps({"id": response_id(kind, request_id), "object": _OBJECT[kind], "created": created,
-                         "model": model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)})
+    return orjson.dumps(
+        {
+            "id": response_id(kind, request_id),
+            "object": _OBJECT[kind],
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+    )

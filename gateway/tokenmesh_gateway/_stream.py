@@ -127,8 +127,9 @@ class Exchanges:
                     return
                 except StopAsyncIteration:
                     exchange.finishing()
-                    await respond_error(send, HttpError(502, "the mesh ended the stream before its first chunk",
-                                                        code="internal"))
+                    await respond_error(
+                        send, HttpError(502, "the mesh ended the stream before its first chunk", code="internal")
+                    )
                     return
                 if answer.stream:
                     await self._stream(exchange, first, chunks, answer, send)
@@ -156,13 +157,25 @@ class Exchanges:
             if not self.active:
                 self.idle.set()
 
-    async def _stream(self, exchange: Exchange, first: inference_pb2.GenerateChunk, chunks: Chunks, answer: Answer,
-                      send: Send) -> None:
+    async def _stream(
+        self, exchange: Exchange, first: inference_pb2.GenerateChunk, chunks: Chunks, answer: Answer, send: Send
+    ) -> None:
         request_id = answer.visible_id(first)
-        encoder = Encoder(answer.kind, request_id, answer.created, first.model or answer.model,
-                          include_usage=answer.include_usage, continuous_usage=answer.continuous_usage)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*SSE_HEADERS, (b"x-request-id", request_id.encode())]})
+        encoder = Encoder(
+            answer.kind,
+            request_id,
+            answer.created,
+            first.model or answer.model,
+            include_usage=answer.include_usage,
+            continuous_usage=answer.continuous_usage,
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*SSE_HEADERS, (b"x-request-id", request_id.encode())],
+            }
+        )
         loop = asyncio.get_running_loop()
         exchange.started, exchange.last_write = True, loop.time()
         chunk = first
@@ -189,8 +202,9 @@ class Exchanges:
         await send({"type": "http.response.body", "body": error_event(error), "more_body": False})
 
     @staticmethod
-    async def _collect(exchange: Exchange, first: inference_pb2.GenerateChunk, chunks: Chunks, answer: Answer,
-                       send: Send) -> None:
+    async def _collect(
+        exchange: Exchange, first: inference_pb2.GenerateChunk, chunks: Chunks, answer: Answer, send: Send
+    ) -> None:
         texts = [first.text]
         last = first
         try:
@@ -209,9 +223,16 @@ class Exchanges:
         if last.finish_reason in (inference_pb2.FINISH_REASON_UNSPECIFIED, inference_pb2.FINISH_REASON_ERROR):
             await respond_error(send, HttpError(500, f"generation {request_id} failed", code="internal"))
             return
-        body = completion_body(answer.kind, request_id, answer.created, last.model or answer.model,
-                               "".join(texts), last.finish_reason, last.usage.prompt_tokens,
-                               last.usage.completion_tokens)
+        body = completion_body(
+            answer.kind,
+            request_id,
+            answer.created,
+            last.model or answer.model,
+            "".join(texts),
+            last.finish_reason,
+            last.usage.prompt_tokens,
+            last.usage.completion_tokens,
+        )
         await respond(send, 200, body, [(b"x-request-id", request_id.encode())])
 
     async def _watch(self, exchange: Exchange, receive: Receive, send: Send) -> None:
@@ -238,9 +259,13 @@ class Exchanges:
     @staticmethod
     async def _stopped(exchange: Exchange, send: Send) -> None:
         """What a caller whose exchange the gateway's stop ended gets."""
-        error = HttpError(503, "this gateway is shutting down; send the request again (a stream started with "
-                               "X-Request-Id resumes with Last-Event-ID on another gateway)",
-                          code="unavailable", retry_after_ms=DEFAULT_RETRY_AFTER_MS)
+        error = HttpError(
+            503,
+            "this gateway is shutting down; send the request again (a stream started with "
+            "X-Request-Id resumes with Last-Event-ID on another gateway)",
+            code="unavailable",
+            retry_after_ms=DEFAULT_RETRY_AFTER_MS,
+        )
         if exchange.started:
             await send({"type": "http.response.body", "body": error_event(error), "more_body": False})
         else:

@@ -78,8 +78,12 @@ def client_interceptors(provider: Any, target: str) -> list[grpc.aio.ClientInter
     tracer = _tracer(provider)
     peer = _server_attributes(target)
     excluded = _excluded_service_filter()
-    return [UnaryUnaryClientSpans(tracer, peer, excluded), UnaryStreamClientSpans(tracer, peer, excluded),
-            StreamUnaryClientSpans(tracer, peer, excluded), StreamStreamClientSpans(tracer, peer, excluded)]
+    return [
+        UnaryUnaryClientSpans(tracer, peer, excluded),
+        UnaryStreamClientSpans(tracer, peer, excluded),
+        StreamUnaryClientSpans(tracer, peer, excluded),
+        StreamStreamClientSpans(tracer, peer, excluded),
+    ]
 
 
 # -- server ------------------------------------------------------------------
@@ -199,8 +203,9 @@ class _ClientSpans(_BaseAioClientInterceptor):
         self._peer = peer
         self._ending = set()
 
-    async def _call(self, continuation: Callable[..., Awaitable[Any]], details: grpc.aio.ClientCallDetails,
-                    request: Any) -> Any:
+    async def _call(
+        self, continuation: Callable[..., Awaitable[Any]], details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
         if self.tracing_skipped(details):  # no span; the request reader still needs ending
             call = await continuation(details, request)
             call.add_done_callback(_stop_request_reader)
@@ -209,8 +214,9 @@ class _ClientSpans(_BaseAioClientInterceptor):
         parent = _explicit_parent(details.metadata)
         token = otel_context.attach(parent) if parent is not None else None
         try:
-            with self._start_span(method, end_on_exit=False, record_exception=False,
-                                  set_status_on_exception=False) as span:
+            with self._start_span(
+                method, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ) as span:
                 span.set_attributes(self._peer)
                 details = self.propagate_trace_in_details(details)  # this span becomes the server's parent
         finally:

@@ -45,24 +45,41 @@ def _write(path: Path, data: bytes, private: bool = False) -> None:
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
-def make_ca(folder: Path, days: int = 365, name: str = "tokenmesh development CA") -> tuple[x509.Certificate,
-                                                                                           ec.EllipticCurvePrivateKey]:
+def make_ca(
+    folder: Path, days: int = 365, name: str = "tokenmesh development CA"
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A self-signed CA, written as folder/ca.crt and folder/ca.key."""
     key = _key()
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .sign(key, hashes.SHA256())
     )
     folder.mkdir(parents=True, exist_ok=True)
@@ -71,9 +88,17 @@ def make_ca(folder: Path, days: int = 365, name: str = "tokenmesh development CA
     return cert, key
 
 
-def issue(folder: Path, role: str, ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], *,
-          hosts: Iterable[str] = ("localhost", "127.0.0.1"), days: int = 90, name: str = "",
-          not_before: datetime.datetime | None = None, uri: str | None = None) -> tuple[Path, Path]:
+def issue(
+    folder: Path,
+    role: str,
+    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
+    *,
+    hosts: Iterable[str] = ("localhost", "127.0.0.1"),
+    days: int = 90,
+    name: str = "",
+    not_before: datetime.datetime | None = None,
+    uri: str | None = None,
+) -> tuple[Path, Path]:
     """A certificate for role signed by ca, written as folder/<name or role>.crt and .key; returns the paths.
 
     ``uri`` overrides the identity (tests of foreign identities); ``not_before``
@@ -91,12 +116,16 @@ def issue(folder: Path, role: str, ca: tuple[x509.Certificate, ec.EllipticCurveP
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"tokenmesh {role}")]))
-        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(start).not_valid_after(start + datetime.timedelta(days=days))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + datetime.timedelta(days=days))
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
         .sign(ca_key, hashes.SHA256())
     )
     stem = name or role

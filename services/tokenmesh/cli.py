@@ -27,8 +27,11 @@ DEFAULT_ADDR = "127.0.0.1:50051"
 
 
 def _add_addr(parser: argparse.ArgumentParser, several: bool = False) -> None:
-    what = ("router addresses host:port, comma-separated (a stream that breaks resumes on another)" if several
-            else "router address host:port")
+    what = (
+        "router addresses host:port, comma-separated (a stream that breaks resumes on another)"
+        if several
+        else "router address host:port"
+    )
     parser.add_argument(
         "--addr",
         default=os.environ.get("TOKENMESH_ADDR", DEFAULT_ADDR),
@@ -53,23 +56,33 @@ def build_parser() -> argparse.ArgumentParser:  # long: an argparse table, a sub
         help="DEBUG, INFO, WARNING or ERROR (env TOKENMESH_LOG_LEVEL; default INFO)",
     )
     parser.add_argument(
-        "--log-format", choices=LOG_FORMATS, default=os.environ.get("TOKENMESH_LOG_FORMAT", "text"),
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=os.environ.get("TOKENMESH_LOG_FORMAT", "text"),
         help="text, or json: one object per line with request_id, trace_id and span_id where known "
-             "(env TOKENMESH_LOG_FORMAT; default text)",
+        "(env TOKENMESH_LOG_FORMAT; default text)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = sub.add_parser("up", help="start the embedded mesh: N workers with Triton, a prober, a router and the "
-                                   "HTTP gateway")
+    up = sub.add_parser(
+        "up", help="start the embedded mesh: N workers with Triton, a prober, a router and the HTTP gateway"
+    )
     add_arguments(up, UpConfig, "up")
-    up.add_argument("--model", choices=("smollm2", "synthetic"), default="smollm2",
-                    help="the shipped model every worker serves (unless --model-repository): smollm2, SmolLM2 on "
-                         "llama.cpp (default); synthetic, placeholder tokens at 1,000 tokens/s per stream, for "
-                         "measuring the mesh itself")
-    up.add_argument("--tls", action="store_true",
-                    help="mutual TLS on every hop, from a development CA made for this run in a temporary folder "
-                         "(tokenmesh certs; --tls-dir keeps it); prints the folder with ca.crt, client.crt and "
-                         "client.key for grpcurl")
+    up.add_argument(
+        "--model",
+        choices=("smollm2", "synthetic"),
+        default="smollm2",
+        help="the shipped model every worker serves (unless --model-repository): smollm2, SmolLM2 on "
+        "llama.cpp (default); synthetic, placeholder tokens at 1,000 tokens/s per stream, for "
+        "measuring the mesh itself",
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS on every hop, from a development CA made for this run in a temporary folder "
+        "(tokenmesh certs; --tls-dir keeps it); prints the folder with ca.crt, client.crt and "
+        "client.key for grpcurl",
+    )
     _add_check_config(up, "TOKENMESH_UP_*")
     up.set_defaults(config_cls=UpConfig)
 
@@ -87,26 +100,34 @@ def build_parser() -> argparse.ArgumentParser:  # long: an argparse table, a sub
     _add_addr(gen, several=True)
 
     bench = sub.add_parser(
-        "bench", help="measure TTFT, TPOT, ITL, throughput and interruptions of the mesh or of Triton directly",
+        "bench",
+        help="measure TTFT, TPOT, ITL, throughput and interruptions of the mesh or of Triton directly",
         description="Drive the mesh (Inference/Generate) or a Triton model directly, closed or open loop, "
-                    "and report the figures callers feel; --compare puts the mesh beside direct Triton. "
-                    "Definitions: TTFT = send to first text chunk; E2E = send to final chunk; "
-                    "TPOT = (E2E - TTFT)/(output tokens - 1); ITL = every gap between text chunks; "
-                    "throughput = output tokens of successful requests / (first send to last end); "
-                    "goodput = requests within every --slo bound / duration; interruption rate = requests that "
-                    "ended in an error or a seq gap / all; stream tokens/s = output tokens / E2E (its variance "
-                    "sigma^2 shows how evenly streams are served).")
+        "and report the figures callers feel; --compare puts the mesh beside direct Triton. "
+        "Definitions: TTFT = send to first text chunk; E2E = send to final chunk; "
+        "TPOT = (E2E - TTFT)/(output tokens - 1); ITL = every gap between text chunks; "
+        "throughput = output tokens of successful requests / (first send to last end); "
+        "goodput = requests within every --slo bound / duration; interruption rate = requests that "
+        "ended in an error or a seq gap / all; stream tokens/s = output tokens / E2E (its variance "
+        "sigma^2 shows how evenly streams are served).",
+    )
     add_bench_arguments(bench, os.environ.get("TOKENMESH_ADDR", DEFAULT_ADDR))
 
-    certs = sub.add_parser("certs", help="make a development CA and a certificate per service (mTLS)",
-                           description="Make ca.crt/ca.key and <role>.crt/<role>.key for router, worker, prober, "
-                                       "gateway and client, each with its identity spiffe://tokenmesh/<role> as a "
-                                       "URI SAN and the given host names as DNS or IP SANs. For development and "
-                                       "tests; production takes certificates from its own CA (e.g. cert-manager).")
+    certs = sub.add_parser(
+        "certs",
+        help="make a development CA and a certificate per service (mTLS)",
+        description="Make ca.crt/ca.key and <role>.crt/<role>.key for router, worker, prober, "
+        "gateway and client, each with its identity spiffe://tokenmesh/<role> as a "
+        "URI SAN and the given host names as DNS or IP SANs. For development and "
+        "tests; production takes certificates from its own CA (e.g. cert-manager).",
+    )
     certs.add_argument("--out", required=True, help="folder to write them to (created if missing)")
-    certs.add_argument("--host", action="append", default=[],
-                       help="a DNS name or IP address the services are reached by (repeatable; default: "
-                            "localhost and 127.0.0.1)")
+    certs.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="a DNS name or IP address the services are reached by (repeatable; default: localhost and 127.0.0.1)",
+    )
     certs.add_argument("--days", type=int, default=90, help="validity of the service certificates (default 90)")
 
     status = sub.add_parser("status", help="show the router's routing table")
@@ -135,9 +156,12 @@ def build_parser() -> argparse.ArgumentParser:  # long: an argparse table, a sub
 
 
 def _add_check_config(parser: argparse.ArgumentParser, variables: str) -> None:
-    parser.add_argument("--check-config", action="store_true",
-                        help=f"validate the settings (flags and {variables} env), print them and exit: 0 when valid, "
-                             "2 with the reason when not; starts nothing (e.g. to test a chart's args)")
+    parser.add_argument(
+        "--check-config",
+        action="store_true",
+        help=f"validate the settings (flags and {variables} env), print them and exit: 0 when valid, "
+        "2 with the reason when not; starts nothing (e.g. to test a chart's args)",
+    )
 
 
 def _print_config(config: Any) -> int:
@@ -196,20 +220,27 @@ def _up_banner(mesh: Mesh) -> str:
     """Where each service of a started mesh listens (and, with mTLS, how to call it)."""
     assert mesh.router is not None and mesh.prober is not None
     lines = [f"router   {mesh.router.address}   (tokenmesh.v1.Inference, Router, Control)"]
-    lines += [f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}   "
-              f"CPUs {w.info.get('cpus')}" for w in mesh.workers]
+    lines += [
+        f"worker   {w.address}   triton {w.info.get('triton_url')}   pid {w.info.get('pid')}   "
+        f"CPUs {w.info.get('cpus')}"
+        for w in mesh.workers
+    ]
     lines.append(f"prober   {mesh.prober.address}")
     if mesh.gateway is not None:
-        lines.append(f"gateway  {mesh.gateway.info.get('url')}   (OpenAI-compatible HTTP: /v1/chat/completions, "
-                     "/v1/completions, /v1/models)")
+        lines.append(
+            f"gateway  {mesh.gateway.info.get('url')}   (OpenAI-compatible HTTP: /v1/chat/completions, "
+            "/v1/completions, /v1/models)"
+        )
     lines += [f"metrics  {name:9} {url}" for name, url in mesh.metrics_urls.items()]
     if mesh.config.tls_dir:
         folder = Path(mesh.config.tls_dir)
-        lines.append(f"mTLS     certificates in {folder}: CA {folder / 'ca.crt'}, client certificate "
-                     f"{folder / 'client.crt'}, its key {folder / 'client.key'}; try\n    grpcurl -cacert "
-                     f"{folder / 'ca.crt'} -cert {folder / 'client.crt'} -key {folder / 'client.key'} -d "
-                     "'{\"prompt\": \"The capital of France is\", \"max_tokens\": 8}' "
-                     f"{mesh.router.address} tokenmesh.v1.Inference/Generate")
+        lines.append(
+            f"mTLS     certificates in {folder}: CA {folder / 'ca.crt'}, client certificate "
+            f"{folder / 'client.crt'}, its key {folder / 'client.key'}; try\n    grpcurl -cacert "
+            f"{folder / 'ca.crt'} -cert {folder / 'client.crt'} -key {folder / 'client.key'} -d "
+            '\'{"prompt": "The capital of France is", "max_tokens": 8}\' '
+            f"{mesh.router.address} tokenmesh.v1.Inference/Generate"
+        )
     return "tokenmesh is up:\n  " + "\n  ".join(lines) + "\nCtrl-C stops everything."
 
 
@@ -231,8 +262,11 @@ def _up(args: argparse.Namespace) -> int:
     engine = {"smollm2": "SmolLM2", "synthetic": "the synthetic model"}[args.model]
     if args.model == "smollm2" and config.model_repository:
         engine = f"the models of {config.model_repository}"
-    print(f"starting {config.workers} workers (Triton + {engine}, {mesh.threads_per_worker} threads each, "
-          f"pinned to {os.cpu_count()} CPUs shared out)...", file=sys.stderr)
+    print(
+        f"starting {config.workers} workers (Triton + {engine}, {mesh.threads_per_worker} threads each, "
+        f"pinned to {os.cpu_count()} CPUs shared out)...",
+        file=sys.stderr,
+    )
     try:
         mesh.start()
         print(_up_banner(mesh), flush=True)
@@ -242,8 +276,11 @@ def _up(args: argparse.Namespace) -> int:
     except MeshStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if "gateway" in exc.services:  # its own message names the gateway's flag, not up's
-            print(f"tokenmesh up: the gateway could not start on port {config.gateway_port}: choose another with "
-                  "--gateway-port (0 picks a free one), or --gateway-port off for none", file=sys.stderr)
+            print(
+                f"tokenmesh up: the gateway could not start on port {config.gateway_port}: choose another with "
+                "--gateway-port (0 picks a free one), or --gateway-port off for none",
+                file=sys.stderr,
+            )
         return 1
     except _StopRequested:
         return 0
@@ -322,8 +359,10 @@ async def _status(args: argparse.Namespace) -> int:
     print(f"{'ADDRESS':22} {'WEIGHT':>6} {'STATE':14} {'IN_FLIGHT':>9} {'SERVED':>7}  {'FOUND BY':24} REASON")
     for w in table.workers:
         state = label(w.state, router_pb2.WorkerState).upper()
-        print(f"{w.address:22} {w.weight:6.2f} {state:14} {w.in_flight:9d} {w.served_total:7d}  {w.found_by:24} "
-              f"{w.reason}")
+        print(
+            f"{w.address:22} {w.weight:6.2f} {state:14} {w.in_flight:9d} {w.served_total:7d}  {w.found_by:24} "
+            f"{w.reason}"
+        )
     return 0
 
 

@@ -100,8 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any], service: str)
         shown = ",".join(default) if isinstance(default, tuple) else default
         help_text = f"{field.metadata['help']} (env {env}; default: {shown!r})"
         if isinstance(field.default, bool):
-            parser.add_argument(flag, dest=field.name, default=default, help=help_text,
-                                action=argparse.BooleanOptionalAction)
+            parser.add_argument(
+                flag, dest=field.name, default=default, help=help_text, action=argparse.BooleanOptionalAction
+            )
         else:
             parser.add_argument(flag, dest=field.name, default=default, type=parse, help=help_text)
 
@@ -129,21 +130,30 @@ class ServerSettings:
 
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(0, "gRPC port; 0 picks a free one")
-    health_port: int = setting(0, "also serve grpc.health.v1 alone (liveness, readiness, \"\"), plaintext, on this "
-                                  "port, for kubelet probes (which present no client certificate); 0 = off")
+    health_port: int = setting(
+        0,
+        'also serve grpc.health.v1 alone (liveness, readiness, ""), plaintext, on this '
+        "port, for kubelet probes (which present no client certificate); 0 = off",
+    )
     metrics_port: int = setting(0, "serve Prometheus metrics on http://host:PORT/metrics; 0 = off")
-    stop_grace_s: float = setting(1.0, "after the drain, how long calls still open (health watches and other "
-                                       "long streams) may take before they are ended")
-    ready_file: str = setting("", "write the server's address and pid (a worker's: also its Triton's url and pid) "
-                                  "as JSON here once SERVING")
+    stop_grace_s: float = setting(
+        1.0,
+        "after the drain, how long calls still open (health watches and other "
+        "long streams) may take before they are ended",
+    )
+    ready_file: str = setting(
+        "", "write the server's address and pid (a worker's: also its Triton's url and pid) as JSON here once SERVING"
+    )
 
     def check_server(self) -> None:
         """Validate the ports and the grace (ConfigError names the setting)."""
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
         check(0 <= self.health_port <= 65535, f"health_port must be 0..65535, got {self.health_port}")
         check(0 <= self.metrics_port <= 65535, f"metrics_port must be 0..65535, got {self.metrics_port}")
-        check(not self.health_port or self.health_port != self.port,
-              f"health_port must differ from port ({self.port}); 0 turns it off")
+        check(
+            not self.health_port or self.health_port != self.port,
+            f"health_port must differ from port ({self.port}); 0 turns it off",
+        )
         check(self.stop_grace_s >= 0, f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
 
 
@@ -178,11 +188,13 @@ def check_discovery(interval_s: float, dns_server: str) -> None:
     check(0 < interval_s <= 300, f"discovery_interval_s must be in (0, 300], got {interval_s}")
     if dns_server:
         problem = address_error(dns_server)
-        check(not problem, f"discovery_dns_server {dns_server!r}: {problem} (an IP address and port, e.g. "
-                           "10.96.0.10:53)")
+        check(
+            not problem, f"discovery_dns_server {dns_server!r}: {problem} (an IP address and port, e.g. 10.96.0.10:53)"
+        )
         host = dns_server.rpartition(":")[0].strip("[]")
         try:
             ipaddress.ip_address(host)
         except ValueError:
-            raise ConfigError(f"discovery_dns_server {dns_server!r}: the host must be an IP address, "
-                              "not a name") from None
+            raise ConfigError(
+                f"discovery_dns_server {dns_server!r}: the host must be an IP address, not a name"
+            ) from None

@@ -161,8 +161,9 @@ class Discovery:
         try:
             return {join(ip, name.port) for ip in await self._resolve(name.host)}
         except LookupFailed as exc:
-            self._report(name, f"lookup failed ({exc}); keeping its {len(name.addresses)} {self._what}(s), "
-                               "retrying next round")
+            self._report(
+                name, f"lookup failed ({exc}); keeping its {len(name.addresses)} {self._what}(s), retrying next round"
+            )
             return None
 
     def _apply(self, name: _Name, answer: set[str] | None) -> None:
@@ -172,8 +173,12 @@ class Discovery:
         if not answer:
             name.empty_rounds += 1
             if name.empty_rounds < EMPTY_ROUNDS or not name.addresses:
-                kept = (f"; keeping its {len(name.addresses)} {self._what}(s) until it stays empty for "
-                        f"{EMPTY_ROUNDS - 1} intervals" if name.addresses else "; looking again every interval")
+                kept = (
+                    f"; keeping its {len(name.addresses)} {self._what}(s) until it stays empty for "
+                    f"{EMPTY_ROUNDS - 1} intervals"
+                    if name.addresses
+                    else "; looking again every interval"
+                )
                 self._report(name, f"answers no address (NXDOMAIN or no records){kept}")
                 return
         else:

@@ -95,8 +95,15 @@ class MeshError(Exception):
     retry_delay: float | None
 
     def __init__(
-        self, message: str, *, reason: str = "", metadata: Mapping[str, str] | None = None, field: str = "",
-        field_violations: Sequence[FieldViolation] = (), retry_delay: float | None = None, domain: str = DOMAIN,
+        self,
+        message: str,
+        *,
+        reason: str = "",
+        metadata: Mapping[str, str] | None = None,
+        field: str = "",
+        field_violations: Sequence[FieldViolation] = (),
+        retry_delay: float | None = None,
+        domain: str = DOMAIN,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -105,7 +112,7 @@ class MeshError(Exception):
         self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
         # The description repeats the message, which travels twice already (grpc-message and Status.message):
         # bounded, so a long message cannot push the trailers past gRPC's metadata limit (8 KiB by default).
-        described = message if len(message) <= MAX_DESCRIPTION else message[:MAX_DESCRIPTION - 1] + "…"
+        described = message if len(message) <= MAX_DESCRIPTION else message[: MAX_DESCRIPTION - 1] + "…"
         self.field_violations = (*((FieldViolation(field, described),) if field else ()), *field_violations)
         self.retry_delay = retry_delay
 
@@ -113,7 +120,7 @@ class MeshError(Exception):
     def wire_message(self) -> str:
         """The message as the status carries it (cut at MAX_MESSAGE)."""
         message = self.message
-        return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 1] + "…"
+        return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 1] + "…"
 
     @property
     def answered(self) -> bool:
@@ -122,12 +129,18 @@ class MeshError(Exception):
 
     def status(self) -> status_pb2.Status:
         """The error as a ``google.rpc.Status`` with its details (ErrorInfo, then BadRequest, RetryInfo)."""
-        details = [error_details_pb2.ErrorInfo(reason=self.reason, domain=self.domain or DOMAIN,
-                                               metadata=self.metadata)]
+        details = [
+            error_details_pb2.ErrorInfo(reason=self.reason, domain=self.domain or DOMAIN, metadata=self.metadata)
+        ]
         if self.field_violations:
-            details.append(error_details_pb2.BadRequest(field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-                for v in self.field_violations]))
+            details.append(
+                error_details_pb2.BadRequest(
+                    field_violations=[
+                        error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                        for v in self.field_violations
+                    ]
+                )
+            )
         if self.retry_delay is not None:
             delay = duration_pb2.Duration()
             delay.FromNanoseconds(round(max(0.0, self.retry_delay) * 1e9))
@@ -226,8 +239,18 @@ class Unimplemented(MeshError):
 
 
 ERRORS: tuple[type[MeshError], ...] = (
-    InvalidArgument, NotFound, AlreadyExists, OutOfRange, ResourceExhausted, Unavailable, DeadlineExceeded,
-    Internal, Cancelled, PermissionDenied, Unauthenticated, Unimplemented,
+    InvalidArgument,
+    NotFound,
+    AlreadyExists,
+    OutOfRange,
+    ResourceExhausted,
+    Unavailable,
+    DeadlineExceeded,
+    Internal,
+    Cancelled,
+    PermissionDenied,
+    Unauthenticated,
+    Unimplemented,
 )
 """Every error class; each gRPC code belongs to at most one."""
 
@@ -302,19 +325,27 @@ CALLER_ERROR_CLASSES = frozenset({worker_pb2.ERROR_CLASS_INVALID_REQUEST, worker
 _BACKEND_PATTERNS: tuple[tuple[re.Pattern[str], worker_pb2.ErrorClass], ...] = tuple(
     (re.compile(p, re.IGNORECASE), c)
     for p, c in (
-        (r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|\bOOM\b",
-         worker_pb2.ERROR_CLASS_OUT_OF_MEMORY),
-        (r"illegal memory access|unspecified launch failure|CUDA_ERROR_LAUNCH_FAILED|cudaErrorLaunchFailure|"
-         r"device-side assert|uncorrectable ECC|CUDA_ERROR_ECC_UNCORRECTABLE|\bXid\b|GPU is lost|"
-         r"CUDA driver (error|version)|CUDA error: unknown error",
-         worker_pb2.ERROR_CLASS_DEVICE_LOST),
-        (r"exceeds the available context size|invalid request|invalid_request_error|"
-         r"maximum context length|must be (greater|less|positive|a)|unexpected inference input",
-         worker_pb2.ERROR_CLASS_INVALID_REQUEST),
+        (
+            r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|\bOOM\b",
+            worker_pb2.ERROR_CLASS_OUT_OF_MEMORY,
+        ),
+        (
+            r"illegal memory access|unspecified launch failure|CUDA_ERROR_LAUNCH_FAILED|cudaErrorLaunchFailure|"
+            r"device-side assert|uncorrectable ECC|CUDA_ERROR_ECC_UNCORRECTABLE|\bXid\b|GPU is lost|"
+            r"CUDA driver (error|version)|CUDA error: unknown error",
+            worker_pb2.ERROR_CLASS_DEVICE_LOST,
+        ),
+        (
+            r"exceeds the available context size|invalid request|invalid_request_error|"
+            r"maximum context length|must be (greater|less|positive|a)|unexpected inference input",
+            worker_pb2.ERROR_CLASS_INVALID_REQUEST,
+        ),
         (r"unknown model|has no available versions", worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND),
         (r"deadline exceeded|timed out|timeout", worker_pb2.ERROR_CLASS_TIMEOUT),
-        (r"not ready|unavailable|connect|socket closed|stub process .* is not healthy",
-         worker_pb2.ERROR_CLASS_UNAVAILABLE),
+        (
+            r"not ready|unavailable|connect|socket closed|stub process .* is not healthy",
+            worker_pb2.ERROR_CLASS_UNAVAILABLE,
+        ),
     )
 )
 
@@ -331,7 +362,8 @@ def from_generation_error(error: worker_pb2.GenerationError, worker: str = "") -
     """Turn a worker's typed error into the caller-facing exception (reason: its error class, e.g. OUT_OF_MEMORY)."""
     reason = label(error.error_class, worker_pb2.ErrorClass).upper()
     return ERROR_CLASS_TO_EXCEPTION.get(error.error_class, Internal)(
-        error.message, reason=reason, metadata={"worker": worker} if worker else None)
+        error.message, reason=reason, metadata={"worker": worker} if worker else None
+    )
 
 
 Authorize = Callable[[str, grpc.aio.ServicerContext[Any, Any]], None]
@@ -443,8 +475,9 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: MeshError) 
 Gate = Callable[[grpc.aio.ServicerContext[Any, Any]], None]
 
 
-def _wrap_unary(behaviour: Callable[..., Awaitable[Any]], *, streamed: bool,
-                gate: Gate | None = None) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(
+    behaviour: Callable[..., Awaitable[Any]], *, streamed: bool, gate: Gate | None = None
+) -> Callable[..., Awaitable[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
             if gate is not None:

@@ -87,8 +87,9 @@ class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         status = self._status.get(request.service)
         if status is None:
             known = ", ".join(repr(n) for n in self._status)
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"unknown service name {request.service!r}; this server answers {known}")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unknown service name {request.service!r}; this server answers {known}"
+            )
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(  # noqa: N802 - gRPC method name

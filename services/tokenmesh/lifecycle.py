@@ -149,8 +149,13 @@ class Lifecycle(abc.ABC):
         if task.cancelled() or self.draining or self._failure is not None:
             return
         error = task.exception() or ServiceFailed(f"background task {task.get_name()} ended on its own")
-        log.error("%s: background task %s died (%s); NOT_SERVING, draining and exiting",
-                  self.name, task.get_name(), error, exc_info=error)
+        log.error(
+            "%s: background task %s died (%s); NOT_SERVING, draining and exiting",
+            self.name,
+            task.get_name(),
+            error,
+            exc_info=error,
+        )
         self._failure = error
         self._failed.set()
         if not self._serving:
@@ -183,8 +188,7 @@ class Lifecycle(abc.ABC):
                 await self._stop()
             finally:
                 await self._close()
-                log.info("%s stopped %.1f s after draining began", self.name,
-                         asyncio.get_running_loop().time() - began)
+                log.info("%s stopped %.1f s after draining began", self.name, asyncio.get_running_loop().time() - began)
 
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT (or until a background task dies), then shut down.
@@ -252,8 +256,11 @@ class Service(Lifecycle):
         await self.host.stop(self.stop_grace_s)
 
 
-async def serve_until_signal(start: Callable[[], Awaitable[None]], failed: Callable[[], Awaitable[object]],
-                             shutdown: Callable[[], Awaitable[None]]) -> bool:
+async def serve_until_signal(
+    start: Callable[[], Awaitable[None]],
+    failed: Callable[[], Awaitable[object]],
+    shutdown: Callable[[], Awaitable[None]],
+) -> bool:
     """Start, serve until SIGTERM or SIGINT or until failed() returns, then shut down (on an error too).
 
     Returns whether failed() returned before a signal came. Every service's

@@ -166,8 +166,9 @@ class Links:
     _closing: set[asyncio.Task[None]]
     """Channels being closed in the background (held until done, so none is collected mid-close)."""
 
-    def __init__(self, connect: ChannelFactory, options: Options = (), *, spawn: Spawn | None = None,
-                 keep_retired: bool = True) -> None:
+    def __init__(
+        self, connect: ChannelFactory, options: Options = (), *, spawn: Spawn | None = None, keep_retired: bool = True
+    ) -> None:
         self._connect = connect
         self._options = options
         self._spawn = spawn or self._plain_task

@@ -20,7 +20,8 @@ FORMATS = ("text", "json")
 
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("tokenmesh_request_id", default="")
 SPAN_CONTEXT: contextvars.ContextVar[trace.SpanContext] = contextvars.ContextVar(
-    "tokenmesh_span_context", default=trace.INVALID_SPAN_CONTEXT)
+    "tokenmesh_span_context", default=trace.INVALID_SPAN_CONTEXT
+)
 
 
 def about(request_id: str, span: trace.Span = trace.INVALID_SPAN) -> None:

@@ -18,15 +18,76 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 log = logging.getLogger(__name__)
 
-TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 60.0, 120.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    60.0,
+    120.0,
+)
 """Time to first token: 1 ms (the synthetic engine, a warm prefix) to 60 s+ (a long prompt behind a queue);
 the GenAI semantic conventions' advice, extended down for a mesh that adds milliseconds."""
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-               0.4, 0.5, 0.75, 1.0, 2.5)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 """Inter-token latency and time per output token: 1 ms to 2.5 s (vLLM's buckets)."""
-REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0)
+REQUEST_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
 """End-to-end and queue times: 10 ms to 32 min."""
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 """Prompt and output lengths in tokens."""
@@ -75,8 +136,10 @@ class MetricsEndpoint:
         try:
             self._server, _ = start_http_server(port, addr=host, registry=registry)
         except OSError as exc:
-            raise OSError(f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}); choose another "
-                          "--metrics-port (0 turns metrics off)") from None
+            raise OSError(
+                f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}); choose another "
+                "--metrics-port (0 turns metrics off)"
+            ) from None
         self.port = int(self._server.server_port)
         log.info("%s metrics on http://%s:%d/metrics", service, host, self.port)
 

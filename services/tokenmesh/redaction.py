@@ -133,7 +133,7 @@ class StreamRedactor:
             replacement = _placeholder(match)
             if replacement is None:
                 continue
-            out.append(text[pos:match.start()])
+            out.append(text[pos : match.start()])
             out.append(replacement)
             pos = match.end()
         out.append(text[pos:cut])

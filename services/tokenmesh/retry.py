@@ -60,8 +60,9 @@ async def write(call: grpc.aio.StreamStreamCall[Any, Any], message: Any) -> None
         await call.write(message)
     except asyncio.InvalidStateError:
         code, details, trailers = await call.code(), await call.details(), await call.trailing_metadata()
-        raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers or grpc.aio.Metadata(),
-                                   details=details) from None
+        raise grpc.aio.AioRpcError(
+            code, grpc.aio.Metadata(), trailers or grpc.aio.Metadata(), details=details
+        ) from None
 
 
 def retry_hint_s(exc: BaseException) -> float | None:
@@ -187,8 +188,13 @@ class Reconnect:
         self.last_error = describe(exc) if exc is not None else "?"
         n, warn = self.failures, self.backoff.warn_after
         if n >= warn and (n & (n - 1) == 0 or n == warn):  # at warn_after, then at each power of two
-            self._log.warning("%s to %s failed %d times in a row (last: %s); still retrying",
-                              self.what, self.address, n, self.last_error)
+            self._log.warning(
+                "%s to %s failed %d times in a row (last: %s); still retrying",
+                self.what,
+                self.address,
+                n,
+                self.last_error,
+            )
         else:
             self._log.debug("%s to %s failed (%s); retrying", self.what, self.address, self.last_error)
 

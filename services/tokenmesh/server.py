@@ -107,8 +107,16 @@ class ServiceHost:
     _names: list[str]
 
     def __init__(
-        self, host: str, port: int, service_names: Iterable[str], *, shared_port: bool = False, health_port: int = 0,
-        tls: Tls | None = None, max_streams_per_connection: int = 0, tracing: Tracing | None = None,
+        self,
+        host: str,
+        port: int,
+        service_names: Iterable[str],
+        *,
+        shared_port: bool = False,
+        health_port: int = 0,
+        tls: Tls | None = None,
+        max_streams_per_connection: int = 0,
+        tracing: Tracing | None = None,
     ) -> None:
         options = SERVER_OPTIONS
         if max_streams_per_connection:
@@ -151,8 +159,10 @@ class ServiceHost:
         except RuntimeError:  # grpc raises when it cannot bind (older releases returned 0)
             self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {self._host}:{self._requested_port} (in use or not permitted); "
-                          "choose another --port (0 picks a free one)")
+            raise OSError(
+                f"cannot listen on {self._host}:{self._requested_port} (in use or not permitted); "
+                "choose another --port (0 picks a free one)"
+            )
         if self._shared_port:
             self.private_address = f"127.0.0.1:{self._bind('127.0.0.1:0')}"
         if self.health_server is not None:
@@ -161,8 +171,10 @@ class ServiceHost:
             except RuntimeError:
                 bound = 0
             if bound == 0:
-                raise OSError(f"cannot listen on {self._host}:{self._health_port} for health (in use or not "
-                              "permitted); choose another --health-port")
+                raise OSError(
+                    f"cannot listen on {self._host}:{self._health_port} for health (in use or not "
+                    "permitted); choose another --health-port"
+                )
             await self.health_server.start()
         await self.server.start()
         await self.health.set(LIVENESS, SERVING)

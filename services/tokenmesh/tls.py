@@ -60,13 +60,19 @@ is someone else's router."""
 class TlsSettings:
     """TLS settings every service shares (flags ``--tls-*``, env ``TOKENMESH_<SERVICE>_TLS_*``)."""
 
-    tls_mode: str = setting("off", "off, tls (servers present a certificate, clients verify it) or mtls (both "
-                                   "sides do; servers check the peer's identity per RPC group)")
+    tls_mode: str = setting(
+        "off",
+        "off, tls (servers present a certificate, clients verify it) or mtls (both "
+        "sides do; servers check the peer's identity per RPC group)",
+    )
     tls_cert: str = setting("", "this service's certificate (PEM), served and presented to peers")
     tls_key: str = setting("", "the private key of --tls-cert (PEM)")
     tls_ca: str = setting("", "the CA bundle (PEM) that peers' certificates must chain to")
-    tls_server_name: str = setting("", "the name to verify in the certificates of the servers this service "
-                                       "calls; empty = the host of each address (an IP needs an IP SAN)")
+    tls_server_name: str = setting(
+        "",
+        "the name to verify in the certificates of the servers this service "
+        "calls; empty = the host of each address (an IP needs an IP SAN)",
+    )
 
     def check_tls(self) -> None:
         """Validate the mode and that every file it needs is a readable PEM that fits (ConfigError names it)."""
@@ -84,8 +90,10 @@ class TlsSettings:
         _load(self.tls_ca, "--tls-ca", x509.load_pem_x509_certificates)
         public = serialization.PublicFormat.SubjectPublicKeyInfo
         pem = serialization.Encoding.PEM
-        check(cert.public_key().public_bytes(pem, public) == key.public_key().public_bytes(pem, public),
-              f"--tls-key {self.tls_key} is not the key of --tls-cert {self.tls_cert}")
+        check(
+            cert.public_key().public_bytes(pem, public) == key.public_key().public_bytes(pem, public),
+            f"--tls-key {self.tls_key} is not the key of --tls-cert {self.tls_cert}",
+        )
 
 
 def _load(path: str, flag: str, parse: Any) -> Any:
@@ -95,8 +103,12 @@ def _load(path: str, flag: str, parse: Any) -> Any:
         raise ConfigError(f"{flag} {path}: not a PEM file of that kind ({exc})") from None
 
 
-def open_channel(address: str, credentials: grpc.ChannelCredentials | None,
-                 options: tuple[tuple[str, Any], ...] = (), tracing: Tracing | None = None) -> grpc.aio.Channel:
+def open_channel(
+    address: str,
+    credentials: grpc.ChannelCredentials | None,
+    options: tuple[tuple[str, Any], ...] = (),
+    tracing: Tracing | None = None,
+) -> grpc.aio.Channel:
     """A channel to address: plaintext without credentials, else TLS (every channel to a mesh peer opens here).
 
     With tracing on, each call on it gets an RPC span (:func:`tokenmesh.tracing.client_interceptors`); off, the
@@ -129,8 +141,14 @@ class Tls:
     """The certificate files as :meth:`files_changed` last saw them."""
     _tracing: Tracing | None
 
-    def __init__(self, settings: TlsSettings, allowed_clients: tuple[str, ...] = (), *,
-                 siblings: bool = False, tracing: Tracing | None = None) -> None:
+    def __init__(
+        self,
+        settings: TlsSettings,
+        allowed_clients: tuple[str, ...] = (),
+        *,
+        siblings: bool = False,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.mode = settings.tls_mode
         self._tracing = tracing
         self._siblings = siblings
@@ -187,8 +205,9 @@ class Tls:
             log.info("TLS certificate files changed: new connections get the renewed certificate")
             return configuration(*files)
 
-        return grpc.dynamic_ssl_server_credentials(configuration(cert, key, ca), fetch,
-                                                   require_client_authentication=mutual)
+        return grpc.dynamic_ssl_server_credentials(
+            configuration(cert, key, ca), fetch, require_client_authentication=mutual
+        )
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         """Client credentials from the files as they are now (None while TLS is off).

@@ -29,41 +29,51 @@ def check_request(request: inference_pb2.GenerateRequest, max_prompt_bytes: int 
     if bool(request.prompt) == bool(request.messages):
         if request.prompt:
             raise InvalidArgument("set either prompt or messages, not both", field="prompt")
-        raise InvalidArgument("empty request: set prompt, or messages with at least one {role, content}",
-                              field="prompt")
+        raise InvalidArgument(
+            "empty request: set prompt, or messages with at least one {role, content}", field="prompt"
+        )
     if max_prompt_bytes is not None:
         size = len(request.prompt.encode()) + sum(len(m.content.encode()) for m in request.messages)
         if size > max_prompt_bytes:
-            raise InvalidArgument(f"prompt is {size} bytes; the limit is {max_prompt_bytes} bytes: shorten it",
-                                  field="prompt")
+            raise InvalidArgument(
+                f"prompt is {size} bytes; the limit is {max_prompt_bytes} bytes: shorten it", field="prompt"
+            )
     for i, message in enumerate(request.messages):
         if message.role not in ROLES:
-            raise InvalidArgument(f"messages[{i}].role is {message.role!r}; use one of {', '.join(sorted(ROLES))}",
-                                  field=f"messages[{i}].role")
+            raise InvalidArgument(
+                f"messages[{i}].role is {message.role!r}; use one of {', '.join(sorted(ROLES))}",
+                field=f"messages[{i}].role",
+            )
     if request.HasField("temperature") and not (request.temperature >= 0 and math.isfinite(request.temperature)):
         raise InvalidArgument(f"temperature must be >= 0, got {request.temperature}", field="temperature")
     if request.HasField("top_p") and not (0 < request.top_p <= 1):
         raise InvalidArgument(f"top_p must be in (0, 1], got {request.top_p}", field="top_p")
     if request.priority not in inference_pb2.Priority.values():
-        raise InvalidArgument(f"unknown priority {request.priority}; use PRIORITY_LOW, _NORMAL or _HIGH",
-                              field="priority")
+        raise InvalidArgument(
+            f"unknown priority {request.priority}; use PRIORITY_LOW, _NORMAL or _HIGH", field="priority"
+        )
     check_bounds(request)
 
 
 def check_bounds(request: inference_pb2.GenerateRequest) -> None:
     """Raise InvalidArgument for fields past the limits that bound what one caller can make the mesh hold."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
-        raise InvalidArgument(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters",
-                              field="request_id")
+        raise InvalidArgument(
+            f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters", field="request_id"
+        )
     if len(request.labels) > MAX_LABELS:
         raise InvalidArgument(f"{len(request.labels)} labels; at most {MAX_LABELS}", field="labels")
     for key, value in request.labels.items():
         if not key or len(key) > MAX_LABEL_KEY_CHARS or not key.isprintable():
-            raise InvalidArgument(f"label key {key[:MAX_LABEL_KEY_CHARS]!r}: 1..{MAX_LABEL_KEY_CHARS} printable "
-                                  "characters", field="labels")
+            raise InvalidArgument(
+                f"label key {key[:MAX_LABEL_KEY_CHARS]!r}: 1..{MAX_LABEL_KEY_CHARS} printable characters",
+                field="labels",
+            )
         if len(value) > MAX_LABEL_VALUE_CHARS or not value.isprintable():
-            raise InvalidArgument(f"label {key!r}: its value must be at most {MAX_LABEL_VALUE_CHARS} printable "
-                                  "characters", field=f"labels[{key!r}]")
+            raise InvalidArgument(
+                f"label {key!r}: its value must be at most {MAX_LABEL_VALUE_CHARS} printable characters",
+                field=f"labels[{key!r}]",
+            )
     if len(request.stop) > MAX_STOP:
         raise InvalidArgument(f"{len(request.stop)} stop sequences; at most {MAX_STOP}", field="stop")
     for i, stop in enumerate(request.stop):
@@ -76,7 +86,8 @@ def check_max_tokens(request: inference_pb2.GenerateRequest, model: str, max_con
     if request.HasField("max_tokens") and not (1 <= request.max_tokens <= max_context):
         raise InvalidArgument(
             f"max_tokens must be 1..{max_context} (the context size of {model!r}), got {request.max_tokens}",
-            field="max_tokens", metadata={"model": model, "max_context": str(max_context)},
+            field="max_tokens",
+            metadata={"model": model, "max_context": str(max_context)},
         )
 
 

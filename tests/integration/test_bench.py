@@ -22,10 +22,35 @@ pytestmark = pytest.mark.integration
 def test_bench_compare_finds_the_tritons_through_the_mesh(mesh: MeshHandle, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     out = subprocess.run(
-        [sys.executable, "-m", "tokenmesh", "bench", "--addr", mesh.address, "--compare", "--requests", "4",
-         "--blocks", "2", "--concurrency", "2", "--warmup", "1", "--input-tokens", "16", "--output-tokens", "6",
-         "--progress", "off", "--json", str(report)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "tokenmesh",
+            "bench",
+            "--addr",
+            mesh.address,
+            "--compare",
+            "--requests",
+            "4",
+            "--blocks",
+            "2",
+            "--concurrency",
+            "2",
+            "--warmup",
+            "1",
+            "--input-tokens",
+            "16",
+            "--output-tokens",
+            "6",
+            "--progress",
+            "off",
+            "--json",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     document = json.loads(report.read_text())
     for target in ("mesh", "triton"):
@@ -40,24 +65,41 @@ def test_bench_compare_finds_the_tritons_through_the_mesh(mesh: MeshHandle, tmp_
     assert 0 < ratios["ttft_added_p50_ms"] < document["summaries"]["mesh"]["ttft_s"]["p50"] * 1000
     assert "mesh / direct Triton" in out.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "tokenmesh", "bench", "--target", "triton", "--model", "nope",
-         "--triton-url", str(mesh.mesh.workers[0].info["triton_url"]), "--progress", "off"],
-        capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "tokenmesh",
+            "bench",
+            "--target",
+            "triton",
+            "--model",
+            "nope",
+            "--triton-url",
+            str(mesh.mesh.workers[0].info["triton_url"]),
+            "--progress",
+            "off",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "model 'nope' is not ready on Triton" in bad.stderr
     assert "smollm2" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_synthetic_model_streams_placeholder_tokens_at_its_rate(mesh: MeshHandle) -> None:
-    child = mesh.mesh.spawn("synthetic-worker", "worker", "--port", "0",
-                            "--model-repository", str(SHIPPED_REPOSITORIES["synthetic"]))
+    child = mesh.mesh.spawn(
+        "synthetic-worker", "worker", "--port", "0", "--model-repository", str(SHIPPED_REPOSITORIES["synthetic"])
+    )
     try:
         mesh.mesh.wait_ready([child])
         with grpc.insecure_channel(child.address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             described = stub.Describe(worker_pb2.DescribeRequest(), timeout=5)
             assert [(m.name, m.max_context) for m in described.models] == [("synthetic", 4096)]
-            start = worker_pb2.WorkerCommand(start=inference_pb2.GenerateRequest(
-                prompt="one two three", max_tokens=200, request_id="synthetic-1"))
+            start = worker_pb2.WorkerCommand(
+                start=inference_pb2.GenerateRequest(prompt="one two three", max_tokens=200, request_id="synthetic-1")
+            )
             began = time.monotonic()
             events = list(stub.Generate(iter([start]), timeout=60))
             took = time.monotonic() - began
@@ -66,7 +108,10 @@ def test_synthetic_model_streams_placeholder_tokens_at_its_rate(mesh: MeshHandle
         assert sum(c.token_count for c in chunks) == 200 and max(c.token_count for c in chunks) >= 5
         end = events[-1].end
         assert (end.finish_reason, end.usage.prompt_tokens, end.usage.completion_tokens) == (
-            inference_pb2.FINISH_REASON_LENGTH, 3, 200)
+            inference_pb2.FINISH_REASON_LENGTH,
+            3,
+            200,
+        )
         assert 0.2 <= took < 5  # 1,000 tokens/s per stream
     finally:
         child.proc.terminate()

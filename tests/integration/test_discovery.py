@@ -34,8 +34,9 @@ WORKERS = "workers.mesh.test"
 
 
 def serving(table: router_pb2.RoutingTable, address: str) -> bool:
-    return any(w.address == address and w.weight > 0 and w.state == router_pb2.WORKER_STATE_SERVING
-               for w in table.workers)
+    return any(
+        w.address == address and w.weight > 0 and w.state == router_pb2.WORKER_STATE_SERVING for w in table.workers
+    )
 
 
 def test_workers_added_and_removed_in_dns_while_streams_run(tmp_path: Path) -> None:
@@ -52,14 +53,35 @@ def test_workers_added_and_removed_in_dns_while_streams_run(tmp_path: Path) -> N
     pids: list[int] = []
     try:
         for i, host in enumerate(hosts):
-            mesh.workers.append(mesh.spawn(f"worker-{i}", "worker", "--host", host, "--port", str(port),
-                                           "--work-dir", str(tmp_path / f"worker-{i}"), "--model-repository",
-                                           str(repository)))
+            mesh.workers.append(
+                mesh.spawn(
+                    f"worker-{i}",
+                    "worker",
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                    "--work-dir",
+                    str(tmp_path / f"worker-{i}"),
+                    "--model-repository",
+                    str(repository),
+                )
+            )
         mesh.wait_ready(mesh.workers)
-        mesh.router = mesh.spawn("router", "router", "--port", str(router_port), "--workers",
-                                 f"{WORKERS}:{port}", *lookups)
-        mesh.prober = mesh.spawn("prober", "prober", "--port", "0", "--workers", f"{WORKERS}:{port}",
-                                 "--routers", f"routers.mesh.test:{router_port}", *lookups)
+        mesh.router = mesh.spawn(
+            "router", "router", "--port", str(router_port), "--workers", f"{WORKERS}:{port}", *lookups
+        )
+        mesh.prober = mesh.spawn(
+            "prober",
+            "prober",
+            "--port",
+            "0",
+            "--workers",
+            f"{WORKERS}:{port}",
+            "--routers",
+            f"routers.mesh.test:{router_port}",
+            *lookups,
+        )
         mesh.wait_ready([mesh.router, mesh.prober])
         pids = mesh_pids(mesh)
         with grpc.insecure_channel(mesh.router.address) as channel:
@@ -93,14 +115,24 @@ def test_workers_added_and_removed_in_dns_while_streams_run(tmp_path: Path) -> N
                 joined_s = wait_for(lambda t: serving(t, second), 10)
                 # The first one leaves the records: drained, its streams run on.
                 dns.zone.set(WORKERS, hosts[1])
-                wait_for(lambda t: any(w.address == first and w.reason.startswith("draining") for w in t.workers),
-                         3 * INTERVAL_S)
+                wait_for(
+                    lambda t: any(w.address == first and w.reason.startswith("draining") for w in t.workers),
+                    3 * INTERVAL_S,
+                )
                 drained = {w.address: w for w in table().workers}[first]
                 assert drained.weight == 0 and drained.in_flight == STREAMS, drained
                 served_before = {w.address: w.served_total for w in table().workers}
                 # New work goes only to the worker still listed.
-                late = [pool.submit(lambda i=i: list(inference.Generate(inference_pb2.GenerateRequest(
-                    prompt=f"late {i}", max_tokens=50), timeout=60))) for i in range(LATE)]
+                late = [
+                    pool.submit(
+                        lambda i=i: list(
+                            inference.Generate(
+                                inference_pb2.GenerateRequest(prompt=f"late {i}", max_tokens=50), timeout=60
+                            )
+                        )
+                    )
+                    for i in range(LATE)
+                ]
                 finals = [f.result()[-1] for f in late]
                 rows = {w.address: w for w in table().workers}
                 assert rows[first].served_total + rows[first].in_flight == STREAMS  # nothing new went there

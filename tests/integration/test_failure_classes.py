@@ -47,8 +47,9 @@ def claim(tmp_path: Path, name: str) -> Path:
 
 
 def generate(handle: MeshHandle, prompt: str, max_tokens: int = 5) -> list[inference_pb2.GenerateChunk]:
-    return list(handle.inference.Generate(inference_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens),
-                                          timeout=60))
+    return list(
+        handle.inference.Generate(inference_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens), timeout=60)
+    )
 
 
 def wait_for(predicate, timeout: float = 30, what: str = "condition"):
@@ -67,16 +68,27 @@ def test_device_oom_lowers_limit_and_weight_and_the_request_runs_elsewhere(fault
     stats = {w.address: worker_stats(w.address) for w in faulty.mesh.workers}
     hit = next(a for a, s in stats.items() if s.oom_total == 1)
     assert stats[hit].concurrency_limit < 4 and stats[hit].serving
-    entry = wait_for(lambda: next((w for w in faulty.table().workers
-                                   if w.address == hit and "device out of memory" in w.reason), None), 5, "OOM weight")
+    entry = wait_for(
+        lambda: next(
+            (w for w in faulty.table().workers if w.address == hit and "device out of memory" in w.reason), None
+        ),
+        5,
+        "OOM weight",
+    )
     other = next(w for w in faulty.table().workers if w.address != hit)
     assert entry.weight < other.weight and entry.state == router_pb2.WORKER_STATE_SERVING
 
 
 def wait_all_routable(handle: MeshHandle) -> None:
     """Until no worker is avoided after an earlier test's fault and all are SERVING."""
-    wait_for(lambda: all(w.weight > 0 and w.state == router_pb2.WORKER_STATE_SERVING and "avoided" not in w.reason
-                         for w in handle.table().workers), 30, "all workers routable")
+    wait_for(
+        lambda: all(
+            w.weight > 0 and w.state == router_pb2.WORKER_STATE_SERVING and "avoided" not in w.reason
+            for w in handle.table().workers
+        ),
+        30,
+        "all workers routable",
+    )
 
 
 def test_lost_cuda_context_restarts_triton_then_serves_again(faulty: MeshHandle, tmp_path) -> None:
@@ -96,8 +108,9 @@ def test_lost_cuda_context_restarts_triton_then_serves_again(faulty: MeshHandle,
     assert worker_stats(hit).triton_url != before[hit].triton_url  # a new Triton
     # And it works again (the lost context is gone with the old Triton).
     with grpc.insecure_channel(hit) as channel:
-        start = worker_pb2.WorkerCommand(start=inference_pb2.GenerateRequest(prompt="x", max_tokens=3,
-                                                                            request_id="after-restart"))
+        start = worker_pb2.WorkerCommand(
+            start=inference_pb2.GenerateRequest(prompt="x", max_tokens=3, request_id="after-restart")
+        )
         events = list(worker_pb2_grpc.WorkerStub(channel).Generate(iter([start]), timeout=30))
     assert events[-1].WhichOneof("event") == "end"
 
@@ -116,8 +129,11 @@ def test_killed_triton_is_restarted_and_weight_recovers(faulty: MeshHandle) -> N
     assert stubs, "the model's Python stub runs under Triton"
     # Killed while generating: a busy stub is the one that outlived its Triton.
     channel = grpc.insecure_channel(worker.address)
-    start = worker_pb2.WorkerCommand(start=inference_pb2.GenerateRequest(
-        prompt="long", max_tokens=1000, ignore_eos=True, request_id="killed-mid-generation"))  # 5 s at 5 ms/token
+    start = worker_pb2.WorkerCommand(
+        start=inference_pb2.GenerateRequest(
+            prompt="long", max_tokens=1000, ignore_eos=True, request_id="killed-mid-generation"
+        )
+    )  # 5 s at 5 ms/token
     running = worker_pb2_grpc.WorkerStub(channel).Generate(iter([start]), timeout=60)
     assert next(running).HasField("chunk")
     os.kill(old_pid, signal.SIGKILL)
@@ -156,8 +172,11 @@ def test_worker_sigterm_drains_in_flight_streams(tmp_path: Path) -> None:
         draining = mesh.workers[0]
         sent = time.monotonic()
         draining.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: next(w for w in handle.table().workers if w.address == draining.address).weight == 0, 2,
-                 "weight 0 on SIGTERM")
+        wait_for(
+            lambda: next(w for w in handle.table().workers if w.address == draining.address).weight == 0,
+            2,
+            "weight 0 on SIGTERM",
+        )
         assert time.monotonic() - sent < 2
         for t in threads:
             t.join(60)

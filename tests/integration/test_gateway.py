@@ -54,22 +54,38 @@ def in_flight(address: str) -> int:
 
 def test_the_openai_sdk_streams_paris_through_the_gateway(mesh: MeshHandle) -> None:
     client = openai.OpenAI(base_url=url_of(mesh), api_key="x", max_retries=0)
-    chunks = list(client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": FRANCE}], temperature=0, max_tokens=48, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": FRANCE}],
+            temperature=0,
+            max_tokens=48,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "Paris" in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage is not None and usage.prompt_tokens > 0 and usage.completion_tokens > 0
 
-    parts = list(client.completions.create(model="smollm2", prompt=FRANCE_PROMPT, temperature=0, max_tokens=48,
-                                           stream=True, stream_options={"include_usage": True}))
+    parts = list(
+        client.completions.create(
+            model="smollm2",
+            prompt=FRANCE_PROMPT,
+            temperature=0,
+            max_tokens=48,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "Paris" in "".join(p.choices[0].text for p in parts if p.choices)
     assert parts[-1].usage is not None and parts[-1].usage.completion_tokens > 0
 
-    whole = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": FRANCE}],
-                                           temperature=0, max_tokens=48)
+    whole = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": FRANCE}], temperature=0, max_tokens=48
+    )
     assert "Paris" in (whole.choices[0].message.content or "") and whole.usage is not None
     models = client.models.list()
     assert [m.id for m in models.data] == ["smollm2"] and models.data[0].model_extra["max_model_len"] > 0
@@ -80,8 +96,14 @@ def test_the_openai_sdk_streams_paris_through_the_gateway(mesh: MeshHandle) -> N
 
 def test_a_dropped_resumable_stream_continues_with_last_event_id(mesh: MeshHandle) -> None:
     url = url_of(mesh)
-    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": "smollm2",
+        "prompt": "Once upon a time",
+        "max_tokens": 120,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.Client(base_url=url, timeout=60) as http:
         with http.stream("POST", "/completions", json=body, headers={"X-Request-Id": "drop-1"}) as response:
             raw = b""
@@ -90,7 +112,7 @@ def test_a_dropped_resumable_stream_continues_with_last_event_id(mesh: MeshHandl
                 if raw.count(b"\nid: ") >= 8:
                     break
         # The connection is closed here, mid-stream; what the caller holds whole ends at the last blank line.
-        held = raw[:raw.rindex(b"\n\n") + 2]
+        held = raw[: raw.rindex(b"\n\n") + 2]
         last_id = [e["id"] for e in events(held) if "id" in e][-1]
         rest = http.get("/completions/drop-1/stream", headers={"Last-Event-ID": last_id})
         assert rest.status_code == 200 and rest.content.endswith(b"data: [DONE]\n\n")
@@ -102,8 +124,7 @@ def test_a_dropped_resumable_stream_continues_with_last_event_id(mesh: MeshHandl
 
 
 def test_a_dropped_stream_without_request_id_frees_the_engine_slot_within_a_second(mesh: MeshHandle) -> None:
-    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
-            "stream": True}
+    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=url_of(mesh), timeout=60) as http:
         with http.stream("POST", "/completions", json=body) as response:
             pieces = response.iter_raw()  # one iterator, kept: closing it would close the connection
@@ -124,17 +145,28 @@ def test_a_dropped_stream_without_request_id_frees_the_engine_slot_within_a_seco
 def spawn_mesh(mesh: Mesh, routers: list[Child], tmp_path: Path) -> None:
     """2 synthetic workers, 3 routers, a prober over all, a gateway over the first two; all SERVING."""
     for i in range(2):
-        mesh.workers.append(mesh.spawn(f"worker-{i}", "worker", "--port", "0", "--work-dir",
-                                       str(tmp_path / f"worker-{i}"), "--model-repository",
-                                       str(SHIPPED_REPOSITORIES["synthetic"])))
+        mesh.workers.append(
+            mesh.spawn(
+                f"worker-{i}",
+                "worker",
+                "--port",
+                "0",
+                "--work-dir",
+                str(tmp_path / f"worker-{i}"),
+                "--model-repository",
+                str(SHIPPED_REPOSITORIES["synthetic"]),
+            )
+        )
     mesh.wait_ready(mesh.workers)
     workers = ",".join(w.address for w in mesh.workers)
     routers += [mesh.spawn(f"router-{i}", "router", "--port", "0", "--workers", workers) for i in range(3)]
     mesh.wait_ready(routers)
-    mesh.prober = mesh.spawn("prober", "prober", "--port", "0", "--workers", workers,
-                             "--routers", ",".join(r.address for r in routers))
-    mesh.gateway = mesh.spawn("gateway", "gateway", "--port", "0", "--routers",
-                              f"{routers[0].address},{routers[1].address}")
+    mesh.prober = mesh.spawn(
+        "prober", "prober", "--port", "0", "--workers", workers, "--routers", ",".join(r.address for r in routers)
+    )
+    mesh.gateway = mesh.spawn(
+        "gateway", "gateway", "--port", "0", "--routers", f"{routers[0].address},{routers[1].address}"
+    )
     mesh.wait_ready([mesh.prober, mesh.gateway])
     for router in routers:
         with grpc.insecure_channel(router.address) as channel:

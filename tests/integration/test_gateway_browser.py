@@ -51,8 +51,9 @@ async def test_a_browser_eventsource_reconnects_with_last_event_id_and_gets_exac
 
     async def collect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(
-            b"content-length:"))
+        length = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        )
         await reports.put(await reader.readexactly(length))
         writer.write(b"HTTP/1.1 204 No Content\r\nAccess-Control-Allow-Origin: *\r\n\r\n")
         await writer.drain()
@@ -66,18 +67,30 @@ async def test_a_browser_eventsource_reconnects_with_last_event_id_and_gets_exac
         try:
             # Start a resumable generation and drop it: it runs on, detached, for the browser to follow.
             async with httpx.AsyncClient(base_url=gw.url) as http:
-                async with http.stream("POST", "/completions", headers={"X-Request-Id": "page-1"},
-                                       json={"prompt": "hi", "max_tokens": TOKENS, "stream": True}) as response:
+                async with http.stream(
+                    "POST",
+                    "/completions",
+                    headers={"X-Request-Id": "page-1"},
+                    json={"prompt": "hi", "max_tokens": TOKENS, "stream": True},
+                ) as response:
                     await Reader(response).events(1)
             page = tmp_path / "page.html"
             page.write_text(PAGE)
             stream = f"http://{proxy.address}/v1/completions/page-1/stream"
             report = f"http://127.0.0.1:{collector.sockets[0].getsockname()[1]}/report"
             browser = await asyncio.create_subprocess_exec(
-                "chromium", "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-web-security",
-                "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+                "chromium",
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-web-security",
+                "--no-first-run",
+                f"--user-data-dir={tmp_path / 'profile'}",
                 f"{page.as_uri()}?stream={stream}&report={report}",
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+            )
             await asyncio.sleep(2.5)  # the page is streaming by now (the generation takes ~10 s)
             proxy.cut()  # the network path fails mid-stream
             result = orjson.loads(await asyncio.wait_for(reports.get(), 40))

@@ -30,8 +30,12 @@ def test_grpcurl_lists_every_service(mesh: MeshHandle) -> None:
     result = grpcurl(mesh.address, "list")
     assert result.returncode == 0, result.stderr
     services = set(result.stdout.split())
-    assert {"tokenmesh.v1.Inference", "tokenmesh.v1.Router", "grpc.health.v1.Health",
-            "grpc.reflection.v1alpha.ServerReflection"} <= services
+    assert {
+        "tokenmesh.v1.Inference",
+        "tokenmesh.v1.Router",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= services
     described = grpcurl(mesh.address, "describe", "tokenmesh.v1.Inference.Generate")
     assert "returns ( stream .tokenmesh.v1.GenerateChunk )" in described.stdout, described.stderr
 
@@ -77,8 +81,9 @@ def test_bad_input_is_refused_precisely_while_a_stream_runs(mesh: MeshHandle) ->
     wait_idle(mesh)
     long_result: list[inference_pb2.GenerateChunk] = []
     long_call = mesh.inference.Generate(
-        inference_pb2.GenerateRequest(prompt="Write a long story about a dragon.", max_tokens=300, ignore_eos=True,
-                                      request_id="live-1"),
+        inference_pb2.GenerateRequest(
+            prompt="Write a long story about a dragon.", max_tokens=300, ignore_eos=True, request_id="live-1"
+        ),
         timeout=120,
     )
     long_stream = threading.Thread(target=lambda: long_result.extend(long_call))
@@ -127,7 +132,7 @@ def test_engines_run_niced_below_the_relays(mesh: MeshHandle) -> None:
 def test_caller_cancel_stops_the_triton_request(mesh: MeshHandle) -> None:
     call = mesh.inference.Generate(
         inference_pb2.GenerateRequest(prompt="Tell me a very long story.", max_tokens=1500, ignore_eos=True),
-        timeout=120
+        timeout=120,
     )
     first = next(call)
     table = mesh.table()
@@ -165,8 +170,12 @@ def test_caller_cancel_stops_the_triton_request(mesh: MeshHandle) -> None:
 
 def test_cli_generate_status_and_models(mesh: MeshHandle) -> None:
     cli = [sys.executable, "-m", "tokenmesh"]
-    out = subprocess.run([*cli, "generate", "--chat", "What is the capital of France?", "--temperature", "0",
-                          "--addr", mesh.address], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*cli, "generate", "--chat", "What is the capital of France?", "--temperature", "0", "--addr", mesh.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout and "FINISH_REASON_STOP" in out.stderr
     status = subprocess.run([*cli, "status", "--addr", mesh.address], capture_output=True, text=True, timeout=30)

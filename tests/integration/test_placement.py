@@ -28,15 +28,25 @@ def test_sixteen_callers_run_at_once_on_workers_started_one_by_one(tmp_path: Pat
     try:
         # `tokenmesh worker` x3, each with its own Triton and 64 slots, no pinning; then router and prober.
         for i in range(WORKERS):
-            mesh.workers.append(mesh.spawn(f"worker-{i}", "worker", "--port", "0", "--work-dir",
-                                           str(tmp_path / f"worker-{i}"), "--model-repository",
-                                           str(SHIPPED_REPOSITORIES["synthetic"])))
+            mesh.workers.append(
+                mesh.spawn(
+                    f"worker-{i}",
+                    "worker",
+                    "--port",
+                    "0",
+                    "--work-dir",
+                    str(tmp_path / f"worker-{i}"),
+                    "--model-repository",
+                    str(SHIPPED_REPOSITORIES["synthetic"]),
+                )
+            )
         mesh.wait_ready(mesh.workers)
         addresses = ",".join(w.address for w in mesh.workers)
         mesh.router = mesh.spawn("router", "router", "--port", "0", "--workers", addresses)
         mesh.wait_ready([mesh.router])
-        mesh.prober = mesh.spawn("prober", "prober", "--port", "0", "--workers", addresses,
-                                 "--routers", mesh.router.address)
+        mesh.prober = mesh.spawn(
+            "prober", "prober", "--port", "0", "--workers", addresses, "--routers", mesh.router.address
+        )
         mesh.wait_ready([mesh.prober])
         pids = mesh_pids(mesh)
         with grpc.insecure_channel(mesh.router.address) as channel:

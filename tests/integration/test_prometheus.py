@@ -57,15 +57,25 @@ def test_prometheus_scrapes_the_mesh_and_sees_ttft_and_migrations(tmp_path: Path
         pids = mesh_pids(mesh)
         targets = [url.removeprefix("http://").removesuffix("/metrics") for url in mesh.metrics_urls.values()]
         config = tmp_path / "prometheus.yml"
-        config.write_text(json.dumps({  # YAML is a superset of JSON
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
-            "scrape_configs": [{"job_name": "tokenmesh", "static_configs": [{"targets": targets}]}],
-        }))
+        config.write_text(
+            json.dumps(
+                {  # YAML is a superset of JSON
+                    "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+                    "scrape_configs": [{"job_name": "tokenmesh", "static_configs": [{"targets": targets}]}],
+                }
+            )
+        )
         port = free_port_on("127.0.0.1")
         prometheus = subprocess.Popen(  # noqa: S603 - Debian's prometheus, our config
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=(tmp_path / "prometheus.log").open("wb"), stderr=subprocess.STDOUT)
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=(tmp_path / "prometheus.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
         while query_ready(base) is False:

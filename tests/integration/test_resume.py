@@ -38,8 +38,11 @@ def test_resume_after_caller_disconnect_and_after_router_replaced(tmp_path: Path
         call = handle.inference.Generate(request, timeout=120)
         first = [next(call) for _ in range(5)]
         call.cancel()
-        rest = list(handle.inference.Resume(
-            inference_pb2.ResumeRequest(request_id="resume-disconnect", after_seq=5), timeout=120))
+        rest = list(
+            handle.inference.Resume(
+                inference_pb2.ResumeRequest(request_id="resume-disconnect", after_seq=5), timeout=120
+            )
+        )
         check_whole(first + rest)
 
         # 2. The router dies (SIGKILL) mid-stream; a new router on the same port resumes it.
@@ -58,12 +61,16 @@ def test_resume_after_caller_disconnect_and_after_router_replaced(tmp_path: Path
         pids.append(mesh.router.proc.pid)
         with grpc.insecure_channel(mesh.router.address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
-            rest = list(stub.Resume(inference_pb2.ResumeRequest(request_id="resume-router", after_seq=8),
-                                    timeout=120, wait_for_ready=True))
+            rest = list(
+                stub.Resume(
+                    inference_pb2.ResumeRequest(request_id="resume-router", after_seq=8),
+                    timeout=120,
+                    wait_for_ready=True,
+                )
+            )
             check_whole(first + rest)
             with pytest.raises(grpc.RpcError) as info:
-                list(stub.Resume(inference_pb2.ResumeRequest(request_id="resume-router", after_seq=10_000),
-                                 timeout=30))
+                list(stub.Resume(inference_pb2.ResumeRequest(request_id="resume-router", after_seq=10_000), timeout=30))
             assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Resume(inference_pb2.ResumeRequest(request_id="no-such-id"), timeout=30))

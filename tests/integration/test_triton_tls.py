@@ -22,17 +22,31 @@ pytestmark = pytest.mark.integration
 
 async def test_a_worker_backend_generates_over_mutual_tls_and_plaintext_is_refused(tmp_path: Path) -> None:
     certs = make_dev_certs(tmp_path / "certs")
-    ssl_args = ("--grpc-use-ssl-mutual=true", f"--grpc-server-cert={certs / 'worker.crt'}",
-                f"--grpc-server-key={certs / 'worker.key'}", f"--grpc-root-cert={certs / 'ca.crt'}")
-    process = TritonProcess(TritonProcessConfig(work_dir=tmp_path / "triton", extra_args=ssl_args,
-                                                model_repository=SHIPPED_REPOSITORIES["synthetic"]))
+    ssl_args = (
+        "--grpc-use-ssl-mutual=true",
+        f"--grpc-server-cert={certs / 'worker.crt'}",
+        f"--grpc-server-key={certs / 'worker.key'}",
+        f"--grpc-root-cert={certs / 'ca.crt'}",
+    )
+    process = TritonProcess(
+        TritonProcessConfig(
+            work_dir=tmp_path / "triton", extra_args=ssl_args, model_repository=SHIPPED_REPOSITORIES["synthetic"]
+        )
+    )
     await process.start()
-    backend = TritonBackend(TritonBackendConfig(
-        url=process.url, tls=(str(certs / "ca.crt"), str(certs / "worker.key"), str(certs / "worker.crt"))))
+    backend = TritonBackend(
+        TritonBackendConfig(
+            url=process.url, tls=(str(certs / "ca.crt"), str(certs / "worker.key"), str(certs / "worker.crt"))
+        )
+    )
     try:
         await backend.start()
-        events = [e async for e in backend.generate(GenerationParams(model="synthetic", prompt="hi", max_tokens=5,
-                                                                     request_id="tls-1"))]
+        events = [
+            e
+            async for e in backend.generate(
+                GenerationParams(model="synthetic", prompt="hi", max_tokens=5, request_id="tls-1")
+            )
+        ]
         assert sum(e.tokens for e in events if isinstance(e, Delta)) == 5
         assert isinstance(events[-1], Finished) and events[-1].reason == "length"
         plaintext = triton_aio.InferenceServerClient(process.url)

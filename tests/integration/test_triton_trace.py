@@ -55,14 +55,21 @@ def triton_receiver() -> Iterator[str]:
         server.server_close()
 
 
-async def test_tritons_spans_are_children_of_the_workers(tmp_path: Path, triton_receiver: str,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_tritons_spans_are_children_of_the_workers(
+    tmp_path: Path, triton_receiver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     receiver = Receiver()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", await receiver.start())
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
-    worker = Worker(WorkerConfig(port=0, work_dir=str(tmp_path / "worker"), drain_grace_s=1,
-                                 model_repository=str(SHIPPED_REPOSITORIES["synthetic"]),
-                                 triton_trace_url=triton_receiver))
+    worker = Worker(
+        WorkerConfig(
+            port=0,
+            work_dir=str(tmp_path / "worker"),
+            drain_grace_s=1,
+            model_repository=str(SHIPPED_REPOSITORIES["synthetic"]),
+            triton_trace_url=triton_receiver,
+        )
+    )
     router: Router | None = None
     try:
         await worker.start()
@@ -73,8 +80,12 @@ async def test_tritons_spans_are_children_of_the_workers(tmp_path: Path, triton_
             request = inference_pb2.GenerateRequest(prompt="trace me", max_tokens=5)
             for _ in range(100):  # until the router sees the worker
                 try:
-                    chunks = [c async for c in stub.Generate(
-                        request, metadata=(("traceparent", f"00-{TRACE_ID}-00f067aa0ba902b7-01"),))]
+                    chunks = [
+                        c
+                        async for c in stub.Generate(
+                            request, metadata=(("traceparent", f"00-{TRACE_ID}-00f067aa0ba902b7-01"),)
+                        )
+                    ]
                     break
                 except grpc.aio.AioRpcError:
                     await asyncio.sleep(0.1)

@@ -18,8 +18,10 @@ async def fill(mesh: InProcessMesh, n: int = SLOTS, **fields) -> list:
     """Start n long generations and wait until they all run."""
     for b in mesh.backends:
         b.delay = 0.05
-    calls = [mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"fill{i}", max_tokens=400, **fields))
-             for i in range(n)]
+    calls = [
+        mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"fill{i}", max_tokens=400, **fields))
+        for i in range(n)
+    ]
     await asyncio.gather(*(c.read() for c in calls))
     return calls
 
@@ -41,8 +43,7 @@ def level_now(mesh: InProcessMesh, index: int) -> float:
 
 async def test_router_never_sends_a_worker_more_than_its_limit(mesh: InProcessMesh) -> None:
     calls = await fill(mesh)
-    extra = [mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"extra{i}", max_tokens=2))
-             for i in range(4)]
+    extra = [mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"extra{i}", max_tokens=2)) for i in range(4)]
     await wait_until(lambda: queued(mesh) == 4)  # they wait in the router, not on the workers
     # Nothing should change now; 0.2 s is ample for a wrongly granted slot to reach a worker on loopback.
     await asyncio.sleep(0.2)
@@ -57,12 +58,14 @@ async def test_router_never_sends_a_worker_more_than_its_limit(mesh: InProcessMe
 
 async def test_high_priority_queued_behind_low_starts_first(mesh: InProcessMesh) -> None:
     running = await fill(mesh)
-    low = mesh.inference.Generate(inference_pb2.GenerateRequest(
-        prompt="low", max_tokens=2, priority=inference_pb2.PRIORITY_LOW))
+    low = mesh.inference.Generate(
+        inference_pb2.GenerateRequest(prompt="low", max_tokens=2, priority=inference_pb2.PRIORITY_LOW)
+    )
     low_read = asyncio.create_task(low.read())
     await wait_until(lambda: queued(mesh) == 1)
-    high = mesh.inference.Generate(inference_pb2.GenerateRequest(
-        prompt="high", max_tokens=2, priority=inference_pb2.PRIORITY_HIGH))
+    high = mesh.inference.Generate(
+        inference_pb2.GenerateRequest(prompt="high", max_tokens=2, priority=inference_pb2.PRIORITY_HIGH)
+    )
     high_read = asyncio.create_task(high.read())
     await wait_until(lambda: queued(mesh) == 2)
     running[0].cancel()  # one slot frees
@@ -79,14 +82,16 @@ async def test_high_priority_queued_behind_low_starts_first(mesh: InProcessMesh)
 async def test_low_priority_cannot_starve() -> None:
     async with in_process_mesh(aging_s=0.1) as mesh:
         running = await fill(mesh)
-        low = mesh.inference.Generate(inference_pb2.GenerateRequest(
-            prompt="low", max_tokens=2, priority=inference_pb2.PRIORITY_LOW))
+        low = mesh.inference.Generate(
+            inference_pb2.GenerateRequest(prompt="low", max_tokens=2, priority=inference_pb2.PRIORITY_LOW)
+        )
         low_read = asyncio.create_task(low.read())
         await wait_until(lambda: queued(mesh) == 1)
         # Aged from LOW (1) by 4 levels, to 5: above a HIGH (3) arriving now, even once that one ages a level too.
         await wait_until(lambda: level_now(mesh, 0) >= 5, timeout=5)
-        high = mesh.inference.Generate(inference_pb2.GenerateRequest(
-            prompt="high", max_tokens=2, priority=inference_pb2.PRIORITY_HIGH))
+        high = mesh.inference.Generate(
+            inference_pb2.GenerateRequest(prompt="high", max_tokens=2, priority=inference_pb2.PRIORITY_HIGH)
+        )
         high_read = asyncio.create_task(high.read())
         await wait_until(lambda: queued(mesh) == 2)
         running[0].cancel()
@@ -104,8 +109,9 @@ async def test_tenant_with_less_running_goes_first(mesh: InProcessMesh) -> None:
     big = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="big", max_tokens=2, labels={"tenant": "big"}))
     big_read = asyncio.create_task(big.read())
     await wait_until(lambda: queued(mesh) == 1)
-    small = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="small", max_tokens=2,
-                                                                  labels={"tenant": "small"}))
+    small = mesh.inference.Generate(
+        inference_pb2.GenerateRequest(prompt="small", max_tokens=2, labels={"tenant": "small"})
+    )
     small_read = asyncio.create_task(small.read())
     await wait_until(lambda: queued(mesh) == 2)
     running[0].cancel()

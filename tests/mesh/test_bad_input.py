@@ -59,6 +59,7 @@ async def read_rest(call: grpc.aio.UnaryStreamCall | grpc.aio.StreamStreamCall) 
 def generate(**fields: Any) -> Callable[[InProcessMesh], Awaitable[Any]]:
     async def send(mesh: InProcessMesh) -> Any:
         return [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(**fields), timeout=5)]
+
     return send
 
 
@@ -77,12 +78,14 @@ def resume(request_id: str, after_seq: int = 0, *, finished_first: bool = False)
             await generate(prompt="p", max_tokens=3, request_id=request_id)(mesh)
         request = inference_pb2.ResumeRequest(request_id=request_id, after_seq=after_seq)
         return [c async for c in mesh.inference.Resume(request, timeout=5)]
+
     return send
 
 
 def cancel(request_id: str) -> Callable[[InProcessMesh], Awaitable[Any]]:
     async def send(mesh: InProcessMesh) -> Any:
         return await mesh.inference.Cancel(inference_pb2.CancelRequest(request_id=request_id), timeout=5)
+
     return send
 
 
@@ -91,6 +94,7 @@ def raw_unary(path: str, body: bytes, on_worker: bool = False) -> Callable[[InPr
         address = mesh.workers[0].host.address if on_worker else mesh.router.host.address
         async with grpc.aio.insecure_channel(address) as channel:
             return await channel.unary_unary(path)(body, timeout=5)
+
     return send
 
 
@@ -102,6 +106,7 @@ def raw_stream(path: str, body: bytes, on_worker: bool = False) -> Callable[[InP
             await call.write(body)
             await call.done_writing()
             return await read_rest(call)
+
     return send
 
 
@@ -110,11 +115,13 @@ def raw_stream(path: str, body: bytes, on_worker: bool = False) -> Callable[[InP
 
 def push(address: str | None, weight: float) -> Callable[[InProcessMesh], Awaitable[Any]]:
     async def send(mesh: InProcessMesh) -> Any:
-        table = router_pb2.WeightTable(version=9, workers=[
-            router_pb2.WorkerWeight(address=address or mesh.workers[0].host.address, weight=weight)])
+        table = router_pb2.WeightTable(
+            version=9, workers=[router_pb2.WorkerWeight(address=address or mesh.workers[0].host.address, weight=weight)]
+        )
         call = router_pb2_grpc.ControlStub(mesh.channel).PushWeights(timeout=5)
         await call.write(table)
         return await call.read()
+
     return send
 
 
@@ -129,6 +136,7 @@ def worker_generate(*commands: worker_pb2.WorkerCommand) -> Callable[[InProcessM
                 await call.write(command)
             await call.done_writing()
             return await read_rest(call)
+
     return send
 
 
@@ -148,6 +156,7 @@ def attach(request_id: str, after_seq: int = 0, *, held_first: bool = False) -> 
             stub = worker_pb2_grpc.WorkerStub(channel)
             request = worker_pb2.AttachRequest(request_id=request_id, after_seq=after_seq)
             return [e async for e in stub.Attach(request, timeout=5)]
+
     return send
 
 
@@ -156,6 +165,7 @@ def worker_cancel(request_id: str) -> Callable[[InProcessMesh], Awaitable[Any]]:
         async with grpc.aio.insecure_channel(mesh.workers[0].host.address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             return await stub.Cancel(inference_pb2.CancelRequest(request_id=request_id), timeout=5)
+
     return send
 
 
@@ -167,112 +177,152 @@ CASES: dict[str, dict[str, Case]] = {
     "Inference/Generate": {
         "generate-empty": Case(generate(), INVALID, ("empty request: set prompt, or messages",)),
         "generate-prompt-and-messages": Case(
-            generate(prompt="x", messages=chat(("user", "hi"))), INVALID, ("set either prompt or messages, not both",)),
+            generate(prompt="x", messages=chat(("user", "hi"))), INVALID, ("set either prompt or messages, not both",)
+        ),
         "generate-bad-role": Case(
-            generate(messages=chat(("user", "hi"), ("robot", "beep"))), INVALID,
-            ("messages[1].role is 'robot'; use one of assistant, system, user",)),
+            generate(messages=chat(("user", "hi"), ("robot", "beep"))),
+            INVALID,
+            ("messages[1].role is 'robot'; use one of assistant, system, user",),
+        ),
         "generate-nan-temperature": Case(
-            generate(prompt="x", temperature=math.nan), INVALID, ("temperature must be >= 0, got nan",)),
+            generate(prompt="x", temperature=math.nan), INVALID, ("temperature must be >= 0, got nan",)
+        ),
         "generate-negative-temperature": Case(
-            generate(prompt="x", temperature=-0.5), INVALID, ("temperature must be >= 0, got -0.5",)),
+            generate(prompt="x", temperature=-0.5), INVALID, ("temperature must be >= 0, got -0.5",)
+        ),
         "generate-top-p-0": Case(generate(prompt="x", top_p=0.0), INVALID, ("top_p must be in (0, 1], got 0",)),
-        "generate-top-p-above-1": Case(
-            generate(prompt="x", top_p=1.5), INVALID, ("top_p must be in (0, 1], got 1.5",)),
+        "generate-top-p-above-1": Case(generate(prompt="x", top_p=1.5), INVALID, ("top_p must be in (0, 1], got 1.5",)),
         "generate-unknown-priority": Case(
-            generate(prompt="x", priority=9), INVALID, ("unknown priority 9; use PRIORITY_LOW, _NORMAL or _HIGH",)),
+            generate(prompt="x", priority=9), INVALID, ("unknown priority 9; use PRIORITY_LOW, _NORMAL or _HIGH",)
+        ),
         "generate-max-tokens-0": Case(generate(prompt="x", max_tokens=0), INVALID, (MAX_TOKENS, "got 0")),
         "generate-max-tokens-over-context": Case(
-            generate(prompt="x", max_tokens=513), INVALID, (MAX_TOKENS, "got 513")),
+            generate(prompt="x", max_tokens=513), INVALID, (MAX_TOKENS, "got 513")
+        ),
         "generate-prompt-too-large": Case(
-            generate(prompt="x" * (1024 * 1024 + 1)), INVALID,
-            ("prompt is 1048577 bytes; the limit is 1048576 bytes: shorten it",)),
+            generate(prompt="x" * (1024 * 1024 + 1)),
+            INVALID,
+            ("prompt is 1048577 bytes; the limit is 1048576 bytes: shorten it",),
+        ),
         "generate-messages-too-large": Case(
-            generate(messages=chat(("system", "x" * 600_000), ("user", "y" * 600_000))), INVALID,
-            ("prompt is 1200000 bytes; the limit is 1048576 bytes",)),
+            generate(messages=chat(("system", "x" * 600_000), ("user", "y" * 600_000))),
+            INVALID,
+            ("prompt is 1200000 bytes; the limit is 1048576 bytes",),
+        ),
         "generate-unknown-model": Case(
-            generate(prompt="x", model="nope"), NOT_FOUND, ("unknown model 'nope'; available: fake",)),
+            generate(prompt="x", model="nope"), NOT_FOUND, ("unknown model 'nope'; available: fake",)
+        ),
         "generate-live-request-id": Case(
-            generate_with_a_live_request_id, grpc.StatusCode.ALREADY_EXISTS,
-            ("request_id 'dup' is live already; use a new id, or Resume it",)),
+            generate_with_a_live_request_id,
+            grpc.StatusCode.ALREADY_EXISTS,
+            ("request_id 'dup' is live already; use a new id, or Resume it",),
+        ),
     },
     "Inference/Resume": {
         "resume-empty-id": Case(resume(""), INVALID, (REQUIRED,)),
         "resume-unknown-id": Case(
-            resume("never-started"), NOT_FOUND, ("no worker holds generation 'never-started'", "resume grace period")),
+            resume("never-started"), NOT_FOUND, ("no worker holds generation 'never-started'", "resume grace period")
+        ),
         "resume-after-seq-beyond": Case(
-            resume("r-done", after_seq=99, finished_first=True), grpc.StatusCode.OUT_OF_RANGE,
-            ("after_seq 99 is beyond the last seq sent, 4",)),
+            resume("r-done", after_seq=99, finished_first=True),
+            grpc.StatusCode.OUT_OF_RANGE,
+            ("after_seq 99 is beyond the last seq sent, 4",),
+        ),
     },
     "Inference/Cancel": {
         "cancel-empty-id": Case(cancel(""), INVALID, (REQUIRED,)),
         "cancel-unknown-id": Case(
-            cancel("never-started"), NOT_FOUND, ("no live generation with request_id 'never-started'",)),
+            cancel("never-started"), NOT_FOUND, ("no live generation with request_id 'never-started'",)
+        ),
     },
     "Control/PushWeights": {
         "push-nan-weight": Case(push(None, math.nan), INVALID, ("workers[0]", "weight nan", WEIGHT)),
         "push-negative-weight": Case(push(None, -0.5), INVALID, ("workers[0]", "weight -0.5", WEIGHT)),
         "push-weight-above-1": Case(push(None, 1.01), INVALID, ("workers[0]", "weight 1.01", WEIGHT)),
         "push-bad-address": Case(
-            push("worker-without-port", 1.0), INVALID,
-            ("workers[0] ('worker-without-port'): address must be host:port",)),
+            push("worker-without-port", 1.0),
+            INVALID,
+            ("workers[0] ('worker-without-port'): address must be host:port",),
+        ),
         "push-unconfigured-worker": Case(
-            push("10.1.2.3:50061", 1.0), INVALID,
-            ("workers[0] ('10.1.2.3:50061') is not one of this router's --workers", "--discovery prober")),
+            push("10.1.2.3:50061", 1.0),
+            INVALID,
+            ("workers[0] ('10.1.2.3:50061') is not one of this router's --workers", "--discovery prober"),
+        ),
     },
     "Worker/Generate": {
         "worker-generate-cancel-first": Case(
-            worker_generate(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="x"))), INVALID,
-            ("the first WorkerCommand must be `start` with the GenerateRequest",)),
+            worker_generate(worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="x"))),
+            INVALID,
+            ("the first WorkerCommand must be `start` with the GenerateRequest",),
+        ),
         "worker-generate-empty-stream": Case(
-            worker_generate(), INVALID, ("the first WorkerCommand must be `start` with the GenerateRequest",)),
+            worker_generate(), INVALID, ("the first WorkerCommand must be `start` with the GenerateRequest",)
+        ),
         "worker-generate-no-request-id": Case(
-            worker_generate(start(prompt="p", request_id="")), INVALID,
-            ("start.request_id is required (the router assigns one)",)),
+            worker_generate(start(prompt="p", request_id="")),
+            INVALID,
+            ("start.request_id is required (the router assigns one)",),
+        ),
         "worker-generate-unknown-model": Case(
-            worker_generate(start(prompt="p", model="nope")), NOT_FOUND,
-            ("model 'nope' is not served here; served: fake",)),
+            worker_generate(start(prompt="p", model="nope")),
+            NOT_FOUND,
+            ("model 'nope' is not served here; served: fake",),
+        ),
         "worker-generate-empty-request": Case(
-            worker_generate(start()), INVALID, ("empty request: set prompt, or messages",)),
+            worker_generate(start()), INVALID, ("empty request: set prompt, or messages",)
+        ),
         "worker-generate-no-max-tokens": Case(
             worker_generate(worker_pb2.WorkerCommand(start=inference_pb2.GenerateRequest(prompt="p", request_id="w"))),
-            INVALID, ("start.max_tokens is required",)),
-        "worker-generate-bad-role": Case(
-            worker_generate(start(messages=chat(("robot", "beep")))), INVALID, ("role",)),
+            INVALID,
+            ("start.max_tokens is required",),
+        ),
+        "worker-generate-bad-role": Case(worker_generate(start(messages=chat(("robot", "beep")))), INVALID, ("role",)),
         "worker-generate-max-tokens-0": Case(
-            worker_generate(start(prompt="p", max_tokens=0)), INVALID, ("max_tokens",)),
+            worker_generate(start(prompt="p", max_tokens=0)), INVALID, ("max_tokens",)
+        ),
         "worker-generate-nan-temperature": Case(
-            worker_generate(start(prompt="p", temperature=math.nan)), INVALID, ("temperature",)),
+            worker_generate(start(prompt="p", temperature=math.nan)), INVALID, ("temperature",)
+        ),
     },
     "Worker/Attach": {
         "worker-attach-unknown-id": Case(
-            attach("never-started"), NOT_FOUND, ("no generation 'never-started' here", "resume grace period")),
+            attach("never-started"), NOT_FOUND, ("no generation 'never-started' here", "resume grace period")
+        ),
         "worker-attach-after-seq-beyond": Case(
-            attach("held", after_seq=99, held_first=True), grpc.StatusCode.OUT_OF_RANGE,
-            ("after_seq 99 is beyond the last seq sent, 4",)),
-        "worker-attach-empty-id": Case(
-            attach(""), INVALID, ("request_id is required",)),
+            attach("held", after_seq=99, held_first=True),
+            grpc.StatusCode.OUT_OF_RANGE,
+            ("after_seq 99 is beyond the last seq sent, 4",),
+        ),
+        "worker-attach-empty-id": Case(attach(""), INVALID, ("request_id is required",)),
     },
     "Worker/Cancel": {
         "worker-cancel-unknown-id": Case(
-            worker_cancel("never-started"), NOT_FOUND, ("no generation 'never-started' on this worker",)),
-        "worker-cancel-empty-id": Case(
-            worker_cancel(""), INVALID, ("request_id is required",)),
+            worker_cancel("never-started"), NOT_FOUND, ("no generation 'never-started' on this worker",)
+        ),
+        "worker-cancel-empty-id": Case(worker_cancel(""), INVALID, ("request_id is required",)),
     },
     # Bytes that are no message of the request type; ListModels stands for every unary RPC of every service.
     "Inference/ListModels": {
         "undecodable-request": Case(
-            raw_unary("/tokenmesh.v1.Inference/ListModels", b"\xff\xff\xff"), INVALID, ("ListModelsRequest",)),
+            raw_unary("/tokenmesh.v1.Inference/ListModels", b"\xff\xff\xff"), INVALID, ("ListModelsRequest",)
+        ),
         "undecodable-stream-message": Case(
-            raw_stream("/tokenmesh.v1.Worker/Generate", b"\xff\xff\xff", on_worker=True), INVALID,
-            ("not a valid tokenmesh.v1.WorkerCommand",)),
+            raw_stream("/tokenmesh.v1.Worker/Generate", b"\xff\xff\xff", on_worker=True),
+            INVALID,
+            ("not a valid tokenmesh.v1.WorkerCommand",),
+        ),
     },
 }
 """Per RPC (Service/Method), its cases by id."""
 
 
 def params() -> list[Any]:
-    return [pytest.param(case, id=name, marks=[pytest.mark.xfail(strict=True, reason=case.wrong)] if case.wrong else [])
-            for cases in CASES.values() for name, case in cases.items()]
+    return [
+        pytest.param(case, id=name, marks=[pytest.mark.xfail(strict=True, reason=case.wrong)] if case.wrong else [])
+        for cases in CASES.values()
+        for name, case in cases.items()
+    ]
 
 
 def expected_text(n: int) -> str:
@@ -281,7 +331,8 @@ def expected_text(n: int) -> str:
 
 @pytest.mark.parametrize("case", params())
 async def test_bad_input_gets_a_status_that_says_what_to_change_and_harms_nothing_else(
-    mesh: InProcessMesh, case: Case,
+    mesh: InProcessMesh,
+    case: Case,
 ) -> None:
     for backend in mesh.backends:
         backend.delay = 0.005
@@ -301,8 +352,9 @@ async def test_bad_input_gets_a_status_that_says_what_to_change_and_harms_nothin
     assert [c.seq for c in chunks] == list(range(1, 32))
     assert "".join(c.text for c in chunks) == expected_text(30)
     assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
-    after = [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="x", max_tokens=2),
-                                                      timeout=5)]
+    after = [
+        c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="x", max_tokens=2), timeout=5)
+    ]
     assert after[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
     assert "".join(c.text for c in after) == expected_text(2)
 
@@ -312,26 +364,30 @@ async def test_bad_input_gets_a_status_that_says_what_to_change_and_harms_nothin
 
 async def list_models(mesh: InProcessMesh) -> None:
     response = inference_pb2.ListModelsResponse.FromString(
-        await raw_unary("/tokenmesh.v1.Inference/ListModels", UNKNOWN_FIELD)(mesh))
+        await raw_unary("/tokenmesh.v1.Inference/ListModels", UNKNOWN_FIELD)(mesh)
+    )
     assert [(m.name, m.workers) for m in response.models] == [("fake", 2)]
 
 
 async def routing_table(mesh: InProcessMesh) -> None:
     response = router_pb2.RoutingTable.FromString(
-        await raw_unary("/tokenmesh.v1.Router/GetRoutingTable", UNKNOWN_FIELD)(mesh))
+        await raw_unary("/tokenmesh.v1.Router/GetRoutingTable", UNKNOWN_FIELD)(mesh)
+    )
     assert sorted(w.address for w in response.workers) == sorted(w.host.address for w in mesh.workers)
 
 
 async def describe(mesh: InProcessMesh) -> None:
     response = worker_pb2.DescribeResponse.FromString(
-        await raw_unary("/tokenmesh.v1.Worker/Describe", UNKNOWN_FIELD, on_worker=True)(mesh))
+        await raw_unary("/tokenmesh.v1.Worker/Describe", UNKNOWN_FIELD, on_worker=True)(mesh)
+    )
     assert [m.name for m in response.models] == ["fake"]
 
 
 async def stats(mesh: InProcessMesh) -> None:
     async with grpc.aio.insecure_channel(mesh.workers[0].host.address) as channel:
-        call = channel.stream_stream("/tokenmesh.v1.Worker/Stats",
-                                     response_deserializer=worker_pb2.WorkerStats.FromString)(timeout=5)
+        call = channel.stream_stream(
+            "/tokenmesh.v1.Worker/Stats", response_deserializer=worker_pb2.WorkerStats.FromString
+        )(timeout=5)
         await call.write(worker_pb2.StatsPing(ping_id=7).SerializeToString() + UNKNOWN_FIELD)
         answer = await call.read()
         await call.done_writing()
@@ -344,11 +400,13 @@ async def stats(mesh: InProcessMesh) -> None:
 
 
 @pytest.mark.parametrize(
-    "check", [list_models, routing_table, describe, stats],
+    "check",
+    [list_models, routing_table, describe, stats],
     ids=["inference-list-models", "router-get-routing-table", "worker-describe", "worker-stats"],
 )
 async def test_an_rpc_without_inputs_ignores_unknown_fields_and_answers(
-    mesh: InProcessMesh, check: Callable[[InProcessMesh], Awaitable[None]],
+    mesh: InProcessMesh,
+    check: Callable[[InProcessMesh], Awaitable[None]],
 ) -> None:
     await check(mesh)
 
@@ -358,9 +416,12 @@ NO_INPUT = {"Inference/ListModels", "Router/GetRoutingTable", "Worker/Describe",
 
 
 def test_every_rpc_has_a_case() -> None:
-    services = [inference_pb2.DESCRIPTOR.services_by_name["Inference"],
-                router_pb2.DESCRIPTOR.services_by_name["Router"], router_pb2.DESCRIPTOR.services_by_name["Control"],
-                worker_pb2.DESCRIPTOR.services_by_name["Worker"]]
+    services = [
+        inference_pb2.DESCRIPTOR.services_by_name["Inference"],
+        router_pb2.DESCRIPTOR.services_by_name["Router"],
+        router_pb2.DESCRIPTOR.services_by_name["Control"],
+        worker_pb2.DESCRIPTOR.services_by_name["Worker"],
+    ]
     every = {f"{s.name}/{m.name}" for s in services for m in s.methods}
     assert set(CASES) | NO_INPUT == every
 

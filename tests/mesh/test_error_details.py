@@ -57,8 +57,9 @@ async def fill_and_queue_one(mesh: InProcessMesh) -> list[Any]:
     """Every slot taken and one generation waiting (a queue of one is then full)."""
     for b in mesh.backends:
         b.delay = 0.05
-    calls = [mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"fill{i}", max_tokens=400))
-             for i in range(SLOTS)]
+    calls = [
+        mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"fill{i}", max_tokens=400)) for i in range(SLOTS)
+    ]
     await asyncio.gather(*(c.read() for c in calls))
     waiting = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="w", max_tokens=2))
     calls.append(waiting)
@@ -79,8 +80,11 @@ async def test_a_refused_generate_carries_error_info_and_the_field_at_fault(mesh
     assert [(v.field, v.description) for v in bad.field_violations] == [("max_tokens", exc.details())]
     assert "RetryInfo" not in found
 
-    exc = await refused(mesh.inference.Generate(inference_pb2.GenerateRequest(
-        messages=[inference_pb2.ChatMessage(role="robot", content="x")])))
+    exc = await refused(
+        mesh.inference.Generate(
+            inference_pb2.GenerateRequest(messages=[inference_pb2.ChatMessage(role="robot", content="x")])
+        )
+    )
     assert [v.field for v in details(exc)["BadRequest"].field_violations] == ["messages[0].role"]
 
     exc = await refused(mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="hi", model="nope")))
@@ -123,8 +127,9 @@ async def test_a_queue_wait_that_runs_out_carries_queue_timeout_and_a_retry_dela
 async def test_a_worker_s_facts_reach_the_caller_through_the_router(mesh: InProcessMesh) -> None:
     request = inference_pb2.GenerateRequest(prompt="hi", max_tokens=3, request_id="ended-1")
     chunks = [c async for c in mesh.inference.Generate(request)]
-    exc = await refused(mesh.inference.Resume(inference_pb2.ResumeRequest(request_id="ended-1",
-                                                                          after_seq=chunks[-1].seq)))
+    exc = await refused(
+        mesh.inference.Resume(inference_pb2.ResumeRequest(request_id="ended-1", after_seq=chunks[-1].seq))
+    )
     error = from_rpc_error(exc)
     assert type(error) is OutOfRange and "nothing comes after it" in error.message
     assert (error.reason, error.metadata, error.answered) == ("GENERATION_ENDED", {"request_id": "ended-1"}, True)
@@ -136,8 +141,7 @@ async def test_details_go_out_mid_stream_too() -> None:
     class Failing(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         async def Watch(self, request, context):  # noqa: N802
             yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-            raise Unavailable("the worker went away", reason="WORKER_LOST", metadata={"worker": "w:1"},
-                              retry_delay=0.5)
+            raise Unavailable("the worker went away", reason="WORKER_LOST", metadata={"worker": "w:1"}, retry_delay=0.5)
 
     async with behind_error_interceptor(Failing()) as channel:
         call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=5)
@@ -145,8 +149,12 @@ async def test_details_go_out_mid_stream_too() -> None:
         exc = await refused(call)
     error = from_rpc_error(exc)
     assert type(error) is Unavailable and error.message == "the worker went away"
-    assert (error.reason, error.metadata, error.retry_delay, error.answered) == ("WORKER_LOST", {"worker": "w:1"},
-                                                                                0.5, True)
+    assert (error.reason, error.metadata, error.retry_delay, error.answered) == (
+        "WORKER_LOST",
+        {"worker": "w:1"},
+        0.5,
+        True,
+    )
 
 
 async def test_a_long_message_is_cut_so_the_error_and_its_details_still_arrive() -> None:
@@ -165,23 +173,37 @@ async def test_a_long_message_is_cut_so_the_error_and_its_details_still_arrive()
 
 
 def test_from_rpc_error_round_trips_the_facts_and_ignores_details_that_contradict_the_status() -> None:
-    sent = InvalidArgument("bad", reason="SOME_REASON", metadata={"model": "m"}, field="top_p",
-                           field_violations=(FieldViolation("stop[2]", "too long"),), retry_delay=1.5)
-    wire = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(),
-                                grpc.aio.Metadata(*sent.trailers()), details="bad")
+    sent = InvalidArgument(
+        "bad",
+        reason="SOME_REASON",
+        metadata={"model": "m"},
+        field="top_p",
+        field_violations=(FieldViolation("stop[2]", "too long"),),
+        retry_delay=1.5,
+    )
+    wire = grpc.aio.AioRpcError(
+        grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(*sent.trailers()), details="bad"
+    )
     back = from_rpc_error(wire)
     assert type(back) is InvalidArgument and back.message == "bad"
     assert (back.reason, back.domain, back.metadata, back.retry_delay) == ("SOME_REASON", DOMAIN, {"model": "m"}, 1.5)
     assert back.field_violations == (FieldViolation("top_p", "bad"), FieldViolation("stop[2]", "too long"))
 
     # A status without details (a proxy, a broken connection) was not answered by the mesh.
-    bare = from_rpc_error(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                               details="connection reset"))
+    bare = from_rpc_error(
+        grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="connection reset"
+        )
+    )
     assert not bare.answered and bare.reason == "UNAVAILABLE" and bare.retry_delay is None
     # Details whose code is not the status's are not believed (rpc_status.from_call refuses them).
     other = status_pb2.Status(code=grpc.StatusCode.NOT_FOUND.value[0], message="bad")
-    lying = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(),
-                                 grpc.aio.Metadata(*rpc_status.to_status(other).trailing_metadata), details="bad")
+    lying = grpc.aio.AioRpcError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(*rpc_status.to_status(other).trailing_metadata),
+        details="bad",
+    )
     assert from_rpc_error(lying).domain == ""
 
 
@@ -206,8 +228,15 @@ def grpcurl_path() -> str:
 async def grpcurl_generate(address: str, body: dict[str, Any]) -> str:
     """grpcurl's account of a Generate (run while this loop keeps serving the in-process mesh)."""
     process = await asyncio.create_subprocess_exec(
-        grpcurl_path(), "-plaintext", "-d", json.dumps(body), address, "tokenmesh.v1.Inference/Generate",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        grpcurl_path(),
+        "-plaintext",
+        "-d",
+        json.dumps(body),
+        address,
+        "tokenmesh.v1.Inference/Generate",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     out, _ = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode != 0
     return out.decode()

@@ -135,7 +135,8 @@ async def test_a_slow_caller_is_not_a_stalled_worker() -> None:
         options = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 4096))
         async with grpc.aio.insecure_channel(mesh.router.host.address, options=options) as channel:
             call = inference_pb2_grpc.InferenceStub(channel).Generate(
-                inference_pb2.GenerateRequest(prompt="hello", max_tokens=1500))
+                inference_pb2.GenerateRequest(prompt="hello", max_tokens=1500)
+            )
             chunks = [await call.read()]
             await asyncio.sleep(1.5)  # five stall windows without reading
             while (chunk := await call.read()) is not grpc.aio.EOF:

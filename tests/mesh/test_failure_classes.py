@@ -40,23 +40,29 @@ async def test_shedding_after_oom_sends_waiting_work_elsewhere(mesh: InProcessMe
         calls = []
         for i in range(3):
             call = stub.Generate()
-            await call.write(worker_pb2.WorkerCommand(
-                start=inference_pb2.GenerateRequest(prompt="p", max_tokens=5, request_id=f"w{i}")))
+            await call.write(
+                worker_pb2.WorkerCommand(
+                    start=inference_pb2.GenerateRequest(prompt="p", max_tokens=5, request_id=f"w{i}")
+                )
+            )
             calls.append(call)
         await wait_until(lambda: servicer.in_flight == 3)
         record = servicer.registry.records["w0"]
         servicer._failed(record, BackendError(worker_pb2.ERROR_CLASS_OUT_OF_MEMORY, "CUDA out of memory"))
         events = [await calls[i].read() for i in (1, 2)]
         assert all(e.WhichOneof("event") == "error" for e in events)
-        assert all(e.error.error_class == worker_pb2.ERROR_CLASS_UNAVAILABLE and "shed" in e.error.message
-                   for e in events)
+        assert all(
+            e.error.error_class == worker_pb2.ERROR_CLASS_UNAVAILABLE and "shed" in e.error.message for e in events
+        )
         for call in calls:
             call.cancel()
 
 
 async def test_lost_device_restarts_the_backend_before_serving_again(mesh: InProcessMesh) -> None:
-    mesh.backends[0].fault_once = (worker_pb2.ERROR_CLASS_DEVICE_LOST,
-                                   "CUDA error: an illegal memory access was encountered")
+    mesh.backends[0].fault_once = (
+        worker_pb2.ERROR_CLASS_DEVICE_LOST,
+        "CUDA error: an illegal memory access was encountered",
+    )
     chunks = await collect(mesh, prompt="p", max_tokens=3)
     assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH  # ran on the other worker
     await wait_until(lambda: mesh.backends[0].restarts == 1)
@@ -78,8 +84,9 @@ async def test_caller_errors_never_count_against_a_worker(mesh: InProcessMesh) -
 
 
 async def test_slow_reader_gets_resource_exhausted() -> None:
-    async with in_process_mesh(worker_settings={"replay_buffer_bytes": 4096},
-                               backend_settings={"max_context": 32768}) as mesh:
+    async with in_process_mesh(
+        worker_settings={"replay_buffer_bytes": 4096}, backend_settings={"max_context": 32768}
+    ) as mesh:
         for b in mesh.backends:
             b.delay = 0
         # ~170 KB of text, far more than the HTTP/2 windows on the way hold (the caller's is
@@ -88,7 +95,8 @@ async def test_slow_reader_gets_resource_exhausted() -> None:
         options = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 4096))
         async with grpc.aio.insecure_channel(mesh.router.host.address, options=options) as channel:
             call = inference_pb2_grpc.InferenceStub(channel).Generate(
-                inference_pb2.GenerateRequest(prompt="p" * 10, max_tokens=20000))
+                inference_pb2.GenerateRequest(prompt="p" * 10, max_tokens=20000)
+            )
             await call.read()
             await asyncio.sleep(1.0)  # the caller stops reading while the worker generates
             with pytest.raises(grpc.aio.AioRpcError) as info:

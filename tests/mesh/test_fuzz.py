@@ -106,8 +106,9 @@ def test_a_client_identity_is_refused_control_and_worker_calls_whatever_it_sends
 ) -> None:
     mesh, folder = mutual
     method, kind, data = payload
-    credentials = grpc.ssl_channel_credentials((folder / "ca.crt").read_bytes(), (folder / "client.key").read_bytes(),
-                                               (folder / "client.crt").read_bytes())
+    credentials = grpc.ssl_channel_credentials(
+        (folder / "ca.crt").read_bytes(), (folder / "client.key").read_bytes(), (folder / "client.crt").read_bytes()
+    )
     address = mesh.mesh.router.host.address if ".Control/" in method else mesh.mesh.workers[0].host.address
     with grpc.secure_channel(address, credentials) as channel:
         assert call(channel, method, kind, data) == "PERMISSION_DENIED"

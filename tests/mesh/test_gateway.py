@@ -41,8 +41,13 @@ def running(mesh: InProcessMesh) -> list:
 async def test_the_openai_sdk_streams_chat_and_completions_with_usage(mesh: InProcessMesh) -> None:
     async with gateway_over(mesh) as gateway:
         client = openai.AsyncOpenAI(base_url=gateway.url, api_key="x", max_retries=0)
-        stream = await client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}],
-                                                      max_tokens=6, stream=True, stream_options={"include_usage": True})
+        stream = await client.chat.completions.create(
+            model="fake",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = [c async for c in stream]
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tokens(6)
@@ -53,15 +58,17 @@ async def test_the_openai_sdk_streams_chat_and_completions_with_usage(mesh: InPr
         assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, 6)
         assert chunks[-1].usage.total_tokens == 9
 
-        completion_stream = await client.completions.create(model="fake", prompt="hi", max_tokens=4, stream=True,
-                                                            stream_options={"include_usage": True})
+        completion_stream = await client.completions.create(
+            model="fake", prompt="hi", max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
         parts = [c async for c in completion_stream]
         assert all(p.object == "text_completion" for p in parts)
         assert "".join(p.choices[0].text for p in parts if p.choices) == tokens(4)
         assert parts[-1].usage is not None and parts[-1].usage.completion_tokens == 4
 
-        chat = await client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}],
-                                                    max_tokens=3)
+        chat = await client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
         assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
         assert chat.choices[0].message.content == tokens(3) and chat.choices[0].finish_reason == "length"
         assert chat.usage is not None and (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (3, 3)
@@ -95,8 +102,10 @@ async def test_the_sdk_maps_the_gateway_errors_to_its_exception_classes() -> Non
         # Every slot taken and the queue wait (0.1 s) too short: 429 with the router's retry hint.
         for backend in mesh.backends:
             backend.delay = 0.05
-        hold = [asyncio.create_task(client.completions.create(model="fake", prompt=f"fill{i}", max_tokens=200))
-                for i in range(8)]
+        hold = [
+            asyncio.create_task(client.completions.create(model="fake", prompt=f"fill{i}", max_tokens=200))
+            for i in range(8)
+        ]
         await wait_until(lambda: len(running(mesh)) == 8)
         with pytest.raises(openai.RateLimitError) as limited:
             await client.completions.create(model="fake", prompt="late", max_tokens=2)
@@ -110,8 +119,9 @@ async def test_the_sdk_maps_the_gateway_errors_to_its_exception_classes() -> Non
     async with gateway_over(None, routers=(dead_address(),), retry_deadline_s=0.3) as gateway:
         client = openai.AsyncOpenAI(base_url=gateway.url, api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as down:
-            await client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}],
-                                                 stream=True)
+            await client.chat.completions.create(
+                model="fake", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
         assert down.value.status_code == 503 and down.value.code == "unavailable"
         assert down.value.response.headers["retry-after"] == "1"
 
@@ -148,8 +158,11 @@ async def test_sse_bytes_headers_ids_and_done(mesh: InProcessMesh) -> None:
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "tok0 "}
     assert [c["choices"][0]["delta"] for c in chunks[1:4]] == [{"content": f"tok{i} "} for i in range(1, 4)]
     assert chunks[4]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
-    assert chunks[5]["choices"] == [] and chunks[5]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4,
-                                                                  "total_tokens": 7}
+    assert chunks[5]["choices"] == [] and chunks[5]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+    }
     assert {c["id"] for c in chunks} == {"chatcmpl-r-1"} and len({c["created"] for c in chunks}) == 1
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and {c["model"] for c in chunks} == {"fake"}
     for block in blocks:  # each event: "id: ..." and "data: ..." lines, nothing else
@@ -158,8 +171,12 @@ async def test_sse_bytes_headers_ids_and_done(mesh: InProcessMesh) -> None:
 
 async def test_completions_events_and_continuous_usage(mesh: InProcessMesh) -> None:
     async with gateway_over(mesh) as gateway, httpx.AsyncClient(base_url=gateway.url) as http:
-        body = {"prompt": "hi", "max_tokens": 3, "stream": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        body = {
+            "prompt": "hi",
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
         response = await http.post("/completions", json=body)
     chunks = datas(response.content)[:-1]
     assert [c["object"] for c in chunks] == ["text_completion"] * 5
@@ -171,8 +188,9 @@ async def test_completions_events_and_continuous_usage(mesh: InProcessMesh) -> N
 async def test_keep_alive_comments_in_a_silent_stream_pass_through_the_sdk() -> None:
     async with in_process_mesh(backend_settings={"delay": 0.25}) as mesh, gateway_over(mesh, keepalive_s=0.05) as gw:
         async with httpx.AsyncClient(base_url=gw.url) as http:
-            response = await http.post("/chat/completions", json={**CHAT, "stream": True, "max_tokens": 3},
-                                       headers={"X-Request-Id": "quiet"})
+            response = await http.post(
+                "/chat/completions", json={**CHAT, "stream": True, "max_tokens": 3}, headers={"X-Request-Id": "quiet"}
+            )
         raw = response.content
         # Comments come after the first id line, alone: never a comment block that the SDK would dispatch.
         assert raw.count(b": keep-alive\n") >= 3
@@ -180,8 +198,9 @@ async def test_keep_alive_comments_in_a_silent_stream_pass_through_the_sdk() -> 
         assert b": keep-alive\n\n" not in raw
         assert text_of(raw) == tokens(3)
         client = openai.AsyncOpenAI(base_url=gw.url, api_key="x", max_retries=0)
-        stream = await client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}],
-                                                      max_tokens=3, stream=True)
+        stream = await client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+        )
         assert "".join([c.choices[0].delta.content or "" async for c in stream]) == tokens(3)
 
 
@@ -223,10 +242,11 @@ async def test_a_dropped_resumable_stream_resumes_with_last_event_id_exactly_the
     async with in_process_mesh(backend_settings={"delay": 0.02}) as mesh, gateway_over(mesh) as gw:
         async with httpx.AsyncClient(base_url=gw.url) as http:
             body = {**CHAT, "max_tokens": 40, "stream": True}
-            async with http.stream("POST", "/chat/completions", json=body,
-                                   headers={"X-Request-Id": "story"}) as response:
+            async with http.stream(
+                "POST", "/chat/completions", json=body, headers={"X-Request-Id": "story"}
+            ) as response:
                 first = await Reader(response).events(5)
-            first = first[:first.rindex(b"\n\n") + 2]  # what a client had whole when the connection dropped
+            first = first[: first.rindex(b"\n\n") + 2]  # what a client had whole when the connection dropped
             last_id = [e["id"] for e in events(first) if "id" in e][-1]
             await asyncio.sleep(0.1)
             assert len(running(mesh)) == 1  # detached, not cancelled: the worker keeps generating
@@ -240,8 +260,11 @@ async def test_a_dropped_resumable_stream_resumes_with_last_event_id_exactly_the
             # Last-Event-ID, and with ?starting_after.
             whole = await http.get("/chat/completions/story/stream")
             assert text_of(whole.content) == tokens(40)
-            again = await http.post("/chat/completions", json={**body, "model": "fake"},
-                                    headers={"X-Request-Id": "story", "Last-Event-ID": "story:3"})
+            again = await http.post(
+                "/chat/completions",
+                json={**body, "model": "fake"},
+                headers={"X-Request-Id": "story", "Last-Event-ID": "story:3"},
+            )
             assert text_of(again.content) == text_after(whole.content, 3)
             assert {d["model"] for d in datas(again.content)[:-1]} == {"fake"}
             assert text_after(whole.content, 3) != text_of(whole.content)
@@ -261,8 +284,12 @@ async def test_a_dropped_resumable_stream_resumes_with_last_event_id_exactly_the
 async def test_delete_cancels_a_detached_generation() -> None:
     async with in_process_mesh(backend_settings={"delay": 0.05}) as mesh, gateway_over(mesh) as gw:
         async with httpx.AsyncClient(base_url=gw.url) as http:
-            async with http.stream("POST", "/completions", json={"prompt": "hi", "max_tokens": 500, "stream": True},
-                                   headers={"X-Request-Id": "long-1"}) as response:
+            async with http.stream(
+                "POST",
+                "/completions",
+                json={"prompt": "hi", "max_tokens": 500, "stream": True},
+                headers={"X-Request-Id": "long-1"},
+            ) as response:
                 reader = Reader(response)
                 await reader.events(2)
             await asyncio.sleep(0.1)
@@ -286,8 +313,9 @@ async def test_a_dropped_stream_without_request_id_cancels_its_generation_at_onc
         for backend in mesh.backends:
             backend.stall_after = 3 if silent else None
         async with httpx.AsyncClient(base_url=gw.url) as http:
-            async with http.stream("POST", "/chat/completions", json={**CHAT, "max_tokens": 500, "stream": True}
-                                   ) as response:
+            async with http.stream(
+                "POST", "/chat/completions", json={**CHAT, "max_tokens": 500, "stream": True}
+            ) as response:
                 reader = Reader(response)
                 await reader.events(3)
                 if silent:
@@ -327,8 +355,9 @@ async def test_api_keys_are_required_and_name_the_tenant(mesh: InProcessMesh, tm
             assert (await http.get("/models", headers={"Authorization": "Basic sk-search"})).status_code == 401
             assert (await http.get(gw.url.removesuffix("/v1") + "/health")).status_code == 200  # probes need none
         search = openai.AsyncOpenAI(base_url=gw.url, api_key="sk-search", max_retries=0)
-        done = await search.completions.create(model="fake", prompt="hi", max_tokens=2, user="alice",
-                                               extra_headers={"X-Request-Id": "q1"})
+        done = await search.completions.create(
+            model="fake", prompt="hi", max_tokens=2, user="alice", extra_headers={"X-Request-Id": "q1"}
+        )
         assert done.id == "cmpl-q1" and done.choices[0].text == tokens(2)
         params = [g.params for b in mesh.backends for g in b.started][-1]
         assert params.labels == {"tenant": "search", "user": "alice"}
@@ -347,8 +376,9 @@ async def test_shutdown_drains_then_ends_open_streams_with_an_error_event() -> N
     async with in_process_mesh(backend_settings={"delay": 0.05}) as mesh:
         async with gateway_over(mesh, drain_grace_s=0.3) as gw:
             async with httpx.AsyncClient(base_url=gw.url) as http:
-                async with http.stream("POST", "/completions", json={"prompt": "hi", "max_tokens": 500,
-                                                                    "stream": True}) as response:
+                async with http.stream(
+                    "POST", "/completions", json={"prompt": "hi", "max_tokens": 500, "stream": True}
+                ) as response:
                     reader = Reader(response)
                     await reader.events(2)
                     stopping = asyncio.create_task(gw.shutdown())
@@ -369,8 +399,14 @@ async def test_a_stream_next_to_bad_requests_is_untouched(mesh: InProcessMesh) -
         backend.delay = 0.01
     async with gateway_over(mesh, max_body_bytes=4096) as gw, httpx.AsyncClient(base_url=gw.url) as http:
         async with http.stream("POST", "/chat/completions", json={**CHAT, "max_tokens": 60, "stream": True}) as good:
-            for bad in (b"{", b"\xff\xfe", orjson.dumps({"messages": []}), b"x" * 10_000, b"[1]",
-                        orjson.dumps({"messages": [{"role": "robot", "content": "hi"}]})):
+            for bad in (
+                b"{",
+                b"\xff\xfe",
+                orjson.dumps({"messages": []}),
+                b"x" * 10_000,
+                b"[1]",
+                orjson.dumps({"messages": [{"role": "robot", "content": "hi"}]}),
+            ):
                 response = await http.post("/chat/completions", content=bad)
                 assert 400 <= response.status_code < 500
                 assert set(response.json()["error"]) == {"message", "type", "param", "code"}
@@ -389,8 +425,22 @@ async def test_bench_drives_the_gateway_as_an_openai_endpoint(tmp_path: Path) ->
     prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"prompt": "once"}\n')
     async with in_process_mesh() as mesh, gateway_over(mesh) as gw:
         report = tmp_path / "report.json"
-        out = await run_bench("--target", "openai", "--url", gw.url, "--requests", "10", "--concurrency", "3",
-                             "--output-tokens", "7", "--prompts", str(prompts), "--json", str(report))
+        out = await run_bench(
+            "--target",
+            "openai",
+            "--url",
+            gw.url,
+            "--requests",
+            "10",
+            "--concurrency",
+            "3",
+            "--output-tokens",
+            "7",
+            "--prompts",
+            str(prompts),
+            "--json",
+            str(report),
+        )
         unknown = await run_bench("--target", "openai", "--url", gw.url, "--model", "nope")
         started = [g.params for b in mesh.backends for g in b.started]
     assert out.returncode == 0, out.stderr
@@ -427,6 +477,7 @@ async def test_the_bench_http_client_keeps_connections_and_retries_one_the_serve
             async with client.request("POST", "/x", b"{}") as response:
                 assert response.status == 200 and await response.read() == b"abcde"
         assert served == 3
+
         # Several kept connections, all closed by the server meanwhile: each is tried, then a new one.
         async def one() -> bytes:
             async with client.request("POST", "/x", b"{}") as response:
@@ -473,8 +524,9 @@ async def test_a_live_request_id_is_409_and_a_seq_beyond_the_stream_416() -> Non
         await wait_until(lambda: not running(mesh), timeout=5)
 
 
-async def test_a_fault_in_one_exchange_is_a_500_and_the_gateway_serves_on(mesh: InProcessMesh,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_fault_in_one_exchange_is_a_500_and_the_gateway_serves_on(
+    mesh: InProcessMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with gateway_over(mesh) as gw, httpx.AsyncClient(base_url=gw.url) as http:
         assert gw.client is not None
         real = gw.client.generate

@@ -17,8 +17,10 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 CASES = [
     ({"labels": {f"k{i}": "v" for i in range(MAX_LABELS + 1)}}, f"{MAX_LABELS + 1} labels; at most {MAX_LABELS}"),
-    ({"labels": {"tenant": "x" * (MAX_LABEL_VALUE_CHARS + 1)}},
-     f"label 'tenant': its value must be at most {MAX_LABEL_VALUE_CHARS} printable characters"),
+    (
+        {"labels": {"tenant": "x" * (MAX_LABEL_VALUE_CHARS + 1)}},
+        f"label 'tenant': its value must be at most {MAX_LABEL_VALUE_CHARS} printable characters",
+    ),
     ({"labels": {"tenant": "a\nb"}}, "printable characters"),
     ({"labels": {"k" * 65: "v"}}, "label key"),
     ({"stop": ["s"] * (MAX_STOP + 1)}, f"{MAX_STOP + 1} stop sequences; at most {MAX_STOP}"),

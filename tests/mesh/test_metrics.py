@@ -20,8 +20,11 @@ from tokenmesh.v1 import inference_pb2
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of http://127.0.0.1:port/metrics: (name, sorted labels) -> value."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()  # noqa: S310
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text()
@@ -46,8 +49,10 @@ async def test_the_router_counts_what_callers_feel_and_reads_the_pool_at_scrape_
             request = inference_pb2.GenerateRequest(prompt=f"p{i}", max_tokens=8)
             request.labels["tenant"] = "acme" if i < 2 else "evil-" + "x" * 200  # not on the list: "other"
             finals.append([c async for c in mesh.inference.Generate(request)][-1])
-        for bad in (inference_pb2.GenerateRequest(prompt="p", model="nope"),
-                    inference_pb2.GenerateRequest(prompt="p", labels={"tenant": "\x00" + "y" * 100_000})):
+        for bad in (
+            inference_pb2.GenerateRequest(prompt="p", model="nope"),
+            inference_pb2.GenerateRequest(prompt="p", labels={"tenant": "\x00" + "y" * 100_000}),
+        ):
             try:
                 [c async for c in mesh.inference.Generate(bad)]
             except grpc.aio.AioRpcError as exc:
@@ -76,7 +81,8 @@ async def test_the_router_counts_what_callers_feel_and_reads_the_pool_at_scrape_
     assert total(samples, "tokenmesh_router_interruptions_total") == 0  # every stream ended whole
     # Read from the pool at scrape time: both workers, nothing in flight, nothing queued.
     assert {dict(ls)["worker"] for (n, ls) in samples if n == "tokenmesh_router_in_flight"} == {
-        w.host.address for w in mesh.workers}
+        w.host.address for w in mesh.workers
+    }
     assert total(samples, "tokenmesh_router_in_flight") == 0
     assert total(samples, "tokenmesh_router_queued") == 0
     assert total(samples, "tokenmesh_router_worker_state", worker=first, state="serving") == 1
@@ -84,8 +90,11 @@ async def test_the_router_counts_what_callers_feel_and_reads_the_pool_at_scrape_
 
 
 def parse(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(generate_latest(registry).decode()) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
 
 
 async def test_workers_count_outcomes_and_failures_by_class() -> None:
@@ -93,21 +102,28 @@ async def test_workers_count_outcomes_and_failures_by_class() -> None:
         for worker in mesh.workers:  # as --metrics-port does (both cannot listen on one port here)
             worker.servicer.metrics.enabled = True
         mesh.backends[0].fail_after = 4
-        finals = [[c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"p{i}",
-                                                                                          max_tokens=8))][-1]
-                  for i in range(4)]
+        finals = [
+            [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"p{i}", max_tokens=8))][-1]
+            for i in range(4)
+        ]
         first, second = (parse(w.servicer.metrics.registry) for w in mesh.workers)
     moved = sum(f.migrations for f in finals)
     assert moved >= 1
     assert total(first, "tokenmesh_worker_failures_total", error_class="backend") == moved
     assert total(first, "tokenmesh_worker_generations_total", outcome="backend") == moved
-    assert total(first, "tokenmesh_worker_generations_total", outcome="length") + total(
-        second, "tokenmesh_worker_generations_total", outcome="length") == 4
+    assert (
+        total(first, "tokenmesh_worker_generations_total", outcome="length")
+        + total(second, "tokenmesh_worker_generations_total", outcome="length")
+        == 4
+    )
     assert total(second, "tokenmesh_worker_failures_total") == 0
     started = sum(len(b.started) for b in mesh.backends)  # every generation's first token was timed
     assert started == 4 + moved
-    assert total(first, "tokenmesh_worker_engine_time_to_first_token_seconds_count") + total(
-        second, "tokenmesh_worker_engine_time_to_first_token_seconds_count") == started
+    assert (
+        total(first, "tokenmesh_worker_engine_time_to_first_token_seconds_count")
+        + total(second, "tokenmesh_worker_engine_time_to_first_token_seconds_count")
+        == started
+    )
     assert total(first, "tokenmesh_worker_in_flight") == 0 and total(first, "tokenmesh_worker_serving") == 1
     assert not undocumented(first)
 
@@ -116,13 +132,20 @@ async def test_the_prober_reports_weights_and_what_each_router_acked() -> None:
     port = free_port_on("127.0.0.1")
     async with in_process_mesh() as mesh:
         workers = tuple(w.host.address for w in mesh.workers)
-        prober = Prober(ProberConfig(port=0, workers=workers, routers=(mesh.router.host.address,),
-                                     metrics_port=port, interval_s=0.1))
+        prober = Prober(
+            ProberConfig(
+                port=0, workers=workers, routers=(mesh.router.host.address,), metrics_port=port, interval_s=0.1
+            )
+        )
         await prober.start()
         try:
-            await wait_until(lambda: prober.table.version > 0 and all(
-                link.acked_version == prober.table.version for link in prober.routers.values())
-                and all(w.weight > 0 for w in prober.table.workers))
+            await wait_until(
+                lambda: (
+                    prober.table.version > 0
+                    and all(link.acked_version == prober.table.version for link in prober.routers.values())
+                    and all(w.weight > 0 for w in prober.table.workers)
+                )
+            )
             samples = await asyncio.to_thread(scrape, port)
             version = prober.table.version
         finally:
@@ -142,4 +165,5 @@ async def test_with_metrics_off_a_generation_records_nothing(mesh: InProcessMesh
     assert total(samples, "tokenmesh_router_requests_total") == 0
     assert total(samples, "tokenmesh_router_in_flight") == 0  # the state gauges still answer
     assert {dict(ls)["worker"] for (n, ls) in samples if n == "tokenmesh_router_in_flight"} == {
-        w.host.address for w in mesh.workers}
+        w.host.address for w in mesh.workers
+    }

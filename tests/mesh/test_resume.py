@@ -44,8 +44,12 @@ async def test_resume_after_the_caller_disconnects(mesh: InProcessMesh) -> None:
 
 
 async def test_resume_replays_a_finished_generation_within_the_grace_period(mesh: InProcessMesh) -> None:
-    chunks = [c async for c in mesh.inference.Generate(
-        inference_pb2.GenerateRequest(prompt="p", max_tokens=5, request_id="done-1"))]
+    chunks = [
+        c
+        async for c in mesh.inference.Generate(
+            inference_pb2.GenerateRequest(prompt="p", max_tokens=5, request_id="done-1")
+        )
+    ]
     replay = await resume(mesh, "done-1", after_seq=2)
     assert [(c.seq, c.text) for c in replay] == [(c.seq, c.text) for c in chunks[2:]]
     assert replay[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
@@ -71,8 +75,12 @@ async def test_resume_errors(mesh: InProcessMesh) -> None:
 
 async def test_resume_after_the_grace_period_is_not_found() -> None:
     async with in_process_mesh(worker_settings={"resume_grace_s": 0.2}) as mesh:
-        [c async for c in mesh.inference.Generate(
-            inference_pb2.GenerateRequest(prompt="p", max_tokens=3, request_id="old"))]
+        [
+            c
+            async for c in mesh.inference.Generate(
+                inference_pb2.GenerateRequest(prompt="p", max_tokens=3, request_id="old")
+            )
+        ]
         # The workers drop it once the 0.2 s grace period is over (their collector looks every 0.05 s).
         await wait_until(lambda: all("old" not in w.servicer.registry.records for w in mesh.workers), timeout=5)
         with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -25,8 +25,9 @@ async def fill(mesh: InProcessMesh) -> list[grpc.aio.UnaryStreamCall]:
     """SLOTS long generations, each with its first chunk read (so each holds a worker slot)."""
     for backend in mesh.backends:
         backend.delay = 0.05
-    calls = [mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"fill{i}", max_tokens=400))
-             for i in range(SLOTS)]
+    calls = [
+        mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"fill{i}", max_tokens=400)) for i in range(SLOTS)
+    ]
     await asyncio.gather(*(c.read() for c in calls))
     return calls
 
@@ -34,15 +35,15 @@ async def fill(mesh: InProcessMesh) -> list[grpc.aio.UnaryStreamCall]:
 async def test_cancel_of_a_queued_generation_answers_cancelled_and_ends_it_at_once(mesh: InProcessMesh) -> None:
     running = await fill(mesh)
     try:
-        queued = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="queued", max_tokens=2,
-                                                                       request_id="q1"))
+        queued = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="queued", max_tokens=2, request_id="q1"))
         await wait_until(lambda: len(mesh.router.admission.waiting) == 1)
         response = await mesh.inference.Cancel(inference_pb2.CancelRequest(request_id="q1"), timeout=5)
         assert response.cancelled
         # At once: the running generations hold every slot for another ~20 s (400 tokens x 50 ms).
         chunks = await asyncio.wait_for(_read_all(queued), 2)
         assert [(c.seq, c.finish_reason, c.usage.completion_tokens) for c in chunks] == [
-            (1, inference_pb2.FINISH_REASON_CANCELLED, 0)]
+            (1, inference_pb2.FINISH_REASON_CANCELLED, 0)
+        ]
         assert chunks[0].request_id == "q1"
         assert mesh.router.admission.waiting == []
         assert "q1" not in mesh.router.inference.live
@@ -69,7 +70,9 @@ async def _read_rest(call: grpc.aio.UnaryStreamCall) -> list[inference_pb2.Gener
 
 
 @pytest.mark.parametrize(
-    "rpc", ["Cancel", "Resume"], ids=["cancel-with-empty-id", "resume-with-empty-id"],
+    "rpc",
+    ["Cancel", "Resume"],
+    ids=["cancel-with-empty-id", "resume-with-empty-id"],
 )
 async def test_an_empty_request_id_is_invalid_argument(mesh: InProcessMesh, rpc: str) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -150,7 +153,8 @@ async def mesh_with_a_bad_worker(
 
 @pytest.mark.parametrize("kind", ["silent", "refused"], ids=["silent-worker", "refusing-worker"])
 async def test_cancel_fan_out_answers_from_the_worker_that_holds_it_without_waiting_for_a_bad_one(
-    kind: str, caplog: pytest.LogCaptureFixture,
+    kind: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     async with mesh_with_a_bad_worker(kind) as (router, backends, channel):
         stub = inference_pb2_grpc.InferenceStub(channel)

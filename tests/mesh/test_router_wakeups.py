@@ -17,13 +17,17 @@ def test_the_pool_reports_health_tables_and_limits() -> None:
     changes: list[str] = []
     pool.subscribe(lambda: changes.append("changed"))
     entry = pool.add("w:1")
-    described = worker_pb2.DescribeResponse(models=[inference_pb2.ModelInfo(name="m", max_context=8)],
-                                            concurrency_limit=3)
+    described = worker_pb2.DescribeResponse(
+        models=[inference_pb2.ModelInfo(name="m", max_context=8)], concurrency_limit=3
+    )
     pool.set_health(entry, True, "health SERVING", described)
     assert (entry.healthy, entry.limit, list(entry.models), entry.reason) == (True, 3, ["m"], "health SERVING")
     assert len(changes) == 1
-    assert pool.apply(router_pb2.WeightTable(version=1, workers=[
-        router_pb2.WorkerWeight(address="w:1", weight=0.5, concurrency_limit=2)]))
+    assert pool.apply(
+        router_pb2.WeightTable(
+            version=1, workers=[router_pb2.WorkerWeight(address="w:1", weight=0.5, concurrency_limit=2)]
+        )
+    )
     assert (entry.weight, entry.limit, len(changes)) == (0.5, 2, 2)
     assert not pool.apply(router_pb2.WeightTable(version=1))  # not newer: nothing changed, nobody told
     pool.set_health(entry, False, "unreachable: UNAVAILABLE")
@@ -55,8 +59,10 @@ async def test_a_failover_waits_for_the_suspension_to_end_then_continues_at_once
         await wait_until(lambda: not mesh.router.pool.entries[down.host.address].healthy)
         mesh.backends[0].fail_after = 3
         started = time.monotonic()
-        chunks = [c async for c in mesh.inference.Generate(
-            inference_pb2.GenerateRequest(prompt="p", max_tokens=6), timeout=10)]
+        chunks = [
+            c
+            async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="p", max_tokens=6), timeout=10)
+        ]
         elapsed = time.monotonic() - started
         assert "".join(c.text for c in chunks) == "".join(f"tok{i} " for i in range(6))
         assert chunks[-1].migrations == 1 and len(mesh.backends[0].started) == 2
@@ -69,8 +75,9 @@ async def queue_one(mesh: InProcessMesh) -> tuple[list[grpc.aio.UnaryStreamCall]
     """Worker 1 out of routing, worker 0's 4 slots busy, one generation waiting."""
     for backend in mesh.backends:
         backend.delay = 0.05
-    running = [mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"fill{i}", max_tokens=400))
-               for i in range(4)]
+    running = [
+        mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"fill{i}", max_tokens=400)) for i in range(4)
+    ]
     await asyncio.gather(*(c.read() for c in running))
     waiting = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="waiting", max_tokens=2))
     await wait_until(lambda: len(mesh.router.admission.waiting) == 1)
@@ -97,14 +104,23 @@ async def test_a_worker_coming_back_takes_a_waiting_generation(mesh: InProcessMe
 async def test_a_table_raising_a_weight_takes_a_waiting_generation(mesh: InProcessMesh) -> None:
     addresses = [w.host.address for w in mesh.workers]
     control = router_pb2_grpc.ControlStub(mesh.channel).PushWeights(timeout=10)
-    await control.write(router_pb2.WeightTable(version=1, workers=[
-        router_pb2.WorkerWeight(address=addresses[0], weight=1.0),
-        router_pb2.WorkerWeight(address=addresses[1], weight=0.0)]))
+    await control.write(
+        router_pb2.WeightTable(
+            version=1,
+            workers=[
+                router_pb2.WorkerWeight(address=addresses[0], weight=1.0),
+                router_pb2.WorkerWeight(address=addresses[1], weight=0.0),
+            ],
+        )
+    )
     await control.read()
     running, waiting = await queue_one(mesh)
     try:
-        await control.write(router_pb2.WeightTable(version=2, workers=[
-            router_pb2.WorkerWeight(address=a, weight=1.0) for a in addresses]))
+        await control.write(
+            router_pb2.WeightTable(
+                version=2, workers=[router_pb2.WorkerWeight(address=a, weight=1.0) for a in addresses]
+            )
+        )
         assert (await control.read()).applied
         chunks = await asyncio.wait_for(_read_all(waiting), 2)
         assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH

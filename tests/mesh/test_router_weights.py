@@ -25,8 +25,12 @@ async def push(mesh: InProcessMesh, *tables: router_pb2.WeightTable) -> list[rou
     return acks
 
 
-def weights(mesh: InProcessMesh, version: int, *extra: router_pb2.WorkerWeight, weight: float = 0.5,
-            ) -> router_pb2.WeightTable:
+def weights(
+    mesh: InProcessMesh,
+    version: int,
+    *extra: router_pb2.WorkerWeight,
+    weight: float = 0.5,
+) -> router_pb2.WeightTable:
     """A table giving every worker of the mesh `weight`, plus extra entries."""
     table = router_pb2.WeightTable(version=version)
     for worker in mesh.workers:
@@ -45,12 +49,12 @@ def snapshot(mesh: InProcessMesh) -> tuple[int, dict[str, float]]:
     [(math.nan, "weight nan"), (-0.25, "weight -0.25"), (1.5, "weight 1.5"), (math.inf, "weight inf")],
     ids=["nan", "negative", "above-one", "infinite"],
 )
-async def test_a_weight_outside_0_to_1_refuses_the_whole_table(mesh: InProcessMesh, weight: float,
-                                                                needle: str) -> None:
+async def test_a_weight_outside_0_to_1_refuses_the_whole_table(mesh: InProcessMesh, weight: float, needle: str) -> None:
     before = snapshot(mesh)
     bad = router_pb2.WorkerWeight(address=mesh.workers[1].host.address, weight=weight)
-    table = router_pb2.WeightTable(version=7, workers=[
-        router_pb2.WorkerWeight(address=mesh.workers[0].host.address, weight=0.5), bad])
+    table = router_pb2.WeightTable(
+        version=7, workers=[router_pb2.WorkerWeight(address=mesh.workers[0].host.address, weight=0.5), bad]
+    )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await push(mesh, table)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -72,8 +76,16 @@ async def test_a_weight_outside_0_to_1_refuses_the_whole_table(mesh: InProcessMe
         ("[::zz]:50061", "not an IPv6 address"),
         ("bad host:50061", "is not a host name"),
     ],
-    ids=["no-port", "no-host", "port-0", "port-too-big", "port-not-a-number", "ipv6-unbracketed",
-         "ipv6-invalid", "space-in-host"],
+    ids=[
+        "no-port",
+        "no-host",
+        "port-0",
+        "port-too-big",
+        "port-not-a-number",
+        "ipv6-unbracketed",
+        "ipv6-invalid",
+        "space-in-host",
+    ],
 )
 async def test_a_malformed_address_refuses_the_table(mesh: InProcessMesh, address: str, needle: str) -> None:
     before = snapshot(mesh)

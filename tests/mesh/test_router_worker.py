@@ -182,9 +182,11 @@ async def test_deadline_travels_to_the_worker(mesh: InProcessMesh) -> None:
 async def test_worker_calls_are_opened_ahead_and_carry_the_callers_deadline(mesh: InProcessMesh) -> None:
     timeouts: list[float | None] = []
     for backend in mesh.backends:
+
         def recording(params, original=backend.generate):  # type: ignore[no-untyped-def]
             timeouts.append(params.timeout_s)
             return original(params)
+
         backend.generate = recording  # type: ignore[method-assign]
     request = inference_pb2.GenerateRequest(prompt="hello", max_tokens=2)
     assert [c.seq async for c in mesh.inference.Generate(request, timeout=30)] == [1, 2, 3]
@@ -192,6 +194,7 @@ async def test_worker_calls_are_opened_ahead_and_carry_the_callers_deadline(mesh
     # the caller's deadline reaches the engine through the start command.
     # The server's remaining time can read a little above the 30 s the client set (30.098 s seen).
     assert timeouts[0] is not None and 25 < timeouts[0] <= 31
+
     def spares() -> list[Any]:
         return [c for _, link in mesh.router.links.items() if (c := link.held(SPARE)) is not None]
 

@@ -33,13 +33,20 @@ def load_ca(folder: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]
 
 
 def tls_flags(folder: Path, role: str, mode: str = "mtls") -> dict[str, str]:
-    return {"tls_mode": mode, "tls_cert": str(folder / f"{role}.crt"), "tls_key": str(folder / f"{role}.key"),
-            "tls_ca": str(folder / "ca.crt")}
+    return {
+        "tls_mode": mode,
+        "tls_cert": str(folder / f"{role}.crt"),
+        "tls_key": str(folder / f"{role}.key"),
+        "tls_ca": str(folder / "ca.crt"),
+    }
 
 
 def credentials(folder: Path, stem: str = "client", ca: Path | None = None) -> grpc.ChannelCredentials:
-    return grpc.ssl_channel_credentials((ca or folder / "ca.crt").read_bytes(), (folder / f"{stem}.key").read_bytes(),
-                                        (folder / f"{stem}.crt").read_bytes())
+    return grpc.ssl_channel_credentials(
+        (ca or folder / "ca.crt").read_bytes(),
+        (folder / f"{stem}.key").read_bytes(),
+        (folder / f"{stem}.crt").read_bytes(),
+    )
 
 
 class TlsMesh:
@@ -57,14 +64,22 @@ async def mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator
     monkeypatch.setattr(tls, "RENEWAL_POLL_S", 0.1)  # every service here looks for renewed files often
     folder = make_dev_certs(tmp_path / "certs")
     backends = [FakeBackend(delay=0.01), FakeBackend(delay=0.01)]
-    workers = [Worker(WorkerConfig(port=0, drain_grace_s=0.5, **tls_flags(folder, "worker")), backend=b)
-               for b in backends]
+    workers = [
+        Worker(WorkerConfig(port=0, drain_grace_s=0.5, **tls_flags(folder, "worker")), backend=b) for b in backends
+    ]
     router: Router | None = None
     try:
         for worker in workers:
             await worker.start()
-        router = Router(RouterConfig(port=0, workers=tuple(w.host.address for w in workers), drain_grace_s=0.5,
-                                     metrics_port=0, **tls_flags(folder, "router")))
+        router = Router(
+            RouterConfig(
+                port=0,
+                workers=tuple(w.host.address for w in workers),
+                drain_grace_s=0.5,
+                metrics_port=0,
+                **tls_flags(folder, "router"),
+            )
+        )
         await router.start()
         pool = router.pool
         await wait_until(lambda: all(e.healthy and e.models for e in pool.entries.values()))
@@ -99,15 +114,22 @@ async def test_mutual_tls_end_to_end_and_every_bad_peer_refused(mesh: TlsMesh, t
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     # A certificate from another CA.
     other = make_dev_certs(tmp_path / "other")
-    async with grpc.aio.secure_channel(mesh.router.host.address,
-                                       credentials(other, ca=mesh.folder / "ca.crt")) as channel:
+    async with grpc.aio.secure_channel(
+        mesh.router.host.address, credentials(other, ca=mesh.folder / "ca.crt")
+    ) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await generate(channel)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     # An expired certificate from the right CA.
     ca = load_ca(mesh.folder)
-    issue(mesh.folder, "client", ca, name="expired", days=1,
-          not_before=datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=3))
+    issue(
+        mesh.folder,
+        "client",
+        ca,
+        name="expired",
+        days=1,
+        not_before=datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=3),
+    )
     async with mesh.channel("expired") as channel:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await generate(channel)
@@ -127,7 +149,8 @@ async def test_push_weights_from_an_identity_that_may_not_is_permission_denied(m
             await call.read()
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert f"identity spiffe://tokenmesh/{identity} may not call /tokenmesh.v1.Control/PushWeights" in (
-        info.value.details() or "")
+        info.value.details() or ""
+    )
     assert mesh.router.pool.version == before  # no weight changed (a one-process router has no sibling routers)
     denied = mesh.router.metrics.denied.labels("Control")._value.get()  # noqa: SLF001 - the counter's value
     assert denied == 1
@@ -154,8 +177,10 @@ def served_serial(address: str, folder: Path) -> int:
     context = ssl.create_default_context(cafile=str(folder / "ca.crt"))
     context.load_cert_chain(str(folder / "client.crt"), str(folder / "client.key"))
     context.set_alpn_protocols(["h2"])
-    with socket.create_connection((host, int(port)), timeout=5) as raw, \
-            context.wrap_socket(raw, server_hostname=host) as tls:
+    with (
+        socket.create_connection((host, int(port)), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname=host) as tls,
+    ):
         der = tls.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der).serial_number
@@ -166,7 +191,8 @@ async def test_renewed_certificates_reach_new_connections_and_live_streams_go_on
     first = await asyncio.to_thread(served_serial, address, mesh.folder)
     async with mesh.channel() as channel:
         stream = inference_pb2_grpc.InferenceStub(channel).Generate(
-            inference_pb2.GenerateRequest(prompt="long", max_tokens=100), timeout=30)
+            inference_pb2.GenerateRequest(prompt="long", max_tokens=100), timeout=30
+        )
         seqs = [(await stream.read()).seq]
         # cert-manager renews in place: same CA, new key and certificate, for router and workers alike.
         ca = load_ca(mesh.folder)
@@ -215,25 +241,56 @@ def test_a_bad_key_file_at_start_is_one_line_naming_it_and_exit_2(tmp_path: Path
     folder = make_dev_certs(tmp_path / "certs")
     missing = tmp_path / "gone.key"
     done = subprocess.run(
-        [sys.executable, "-m", "tokenmesh", "router", "--workers", "127.0.0.1:1", "--tls-mode", "mtls",
-         "--tls-cert", str(folder / "router.crt"), "--tls-key", str(missing), "--tls-ca", str(folder / "ca.crt")],
-        capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "tokenmesh",
+            "router",
+            "--workers",
+            "127.0.0.1:1",
+            "--tls-mode",
+            "mtls",
+            "--tls-cert",
+            str(folder / "router.crt"),
+            "--tls-key",
+            str(missing),
+            "--tls-ca",
+            str(folder / "ca.crt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [f"tokenmesh router: error: --tls-key {missing}: cannot read it "
-                                                "(No such file or directory)"]
+    assert done.stderr.strip().splitlines() == [
+        f"tokenmesh router: error: --tls-key {missing}: cannot read it (No such file or directory)"
+    ]
 
 
 async def test_the_prober_reconnects_with_renewed_certificates_and_its_tables_keep_reaching_the_router(
     mesh: TlsMesh,
 ) -> None:
     from tokenmesh.prober import Prober, ProberConfig
-    prober = Prober(ProberConfig(port=0, workers=tuple(w.host.address for w in mesh.workers),
-                                 routers=(mesh.router.host.address,), interval_s=0.1,
-                                 **tls_flags(mesh.folder, "prober")))
+
+    prober = Prober(
+        ProberConfig(
+            port=0,
+            workers=tuple(w.host.address for w in mesh.workers),
+            routers=(mesh.router.host.address,),
+            interval_s=0.1,
+            **tls_flags(mesh.folder, "prober"),
+        )
+    )
     await prober.start()
     try:
-        await wait_until(lambda: prober.table.version > 0 and mesh.router.pool.version == prober.table.version
-                         and all(w.weight > 0 for w in prober.table.workers), timeout=10)
+        await wait_until(
+            lambda: (
+                prober.table.version > 0
+                and mesh.router.pool.version == prober.table.version
+                and all(w.weight > 0 for w in prober.table.workers)
+            ),
+            timeout=10,
+        )
         links = (prober.worker_links, prober.router_links)
         before = {(i, a): link.channel for i, each in enumerate(links) for a, link in each.items()}
         assert len(before) == len(mesh.workers) + 1
@@ -252,6 +309,7 @@ async def test_the_gateway_renews_its_channels_to_the_routers(mesh: TlsMesh) -> 
     import httpx
 
     from tokenmesh_gateway import Gateway, GatewayConfig
+
     gateway = Gateway(GatewayConfig(port=0, routers=(mesh.router.host.address,), **tls_flags(mesh.folder, "gateway")))
     await gateway.start()
     try:

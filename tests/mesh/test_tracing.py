@@ -62,8 +62,12 @@ async def test_one_trace_from_the_callers_traceparent_through_router_and_worker(
             request = inference_pb2.GenerateRequest(prompt=f"{SECRET} {i}", max_tokens=6)
             finals.append([c async for c in mesh.inference.Generate(request, metadata=metadata)][-1])
         bad = (("traceparent", "00-not-a-trace-context"),)  # ignored: a new trace, never an error
-        [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="x", max_tokens=2),
-                                                  metadata=bad)]
+        [
+            c
+            async for c in mesh.inference.Generate(
+                inference_pb2.GenerateRequest(prompt="x", max_tokens=2), metadata=bad
+            )
+        ]
         # Traced, each generation opened its own worker calls: none was opened ahead of need.
         assert all(link.held(SPARE) is None for _, link in mesh.router.links.items())
     spans = receiver.spans()
@@ -88,16 +92,22 @@ async def test_one_trace_from_the_callers_traceparent_through_router_and_worker(
         assert "gen_ai.first_token" in [e.name for e in span.events]
         # Each attempt: a client span under the generation, the worker's server span under it, the worker's
         # generation span under that, all in the caller's trace.
-        calls = [s for s in rpcs(spans, "tokenmesh-router", "tokenmesh.v1.Worker/Generate")
-                 if s.parent_span_id == span.span_id]
+        calls = [
+            s
+            for s in rpcs(spans, "tokenmesh-router", "tokenmesh.v1.Worker/Generate")
+            if s.parent_span_id == span.span_id
+        ]
         assert calls and all(c.kind == trace_pb2.Span.SPAN_KIND_CLIENT for c in calls)
         worker_addresses = {w.host.port for w in mesh.workers}
         for call in calls:
             c = attributes(call)
             assert c["rpc.service"] == "tokenmesh.v1.Worker" and c["rpc.method"] == "Generate"
             assert c["server.address"] == "127.0.0.1" and c["server.port"] in worker_addresses
-            (served,) = [s for s in rpcs(spans, "tokenmesh-worker", "tokenmesh.v1.Worker/Generate")
-                         if s.parent_span_id == call.span_id]
+            (served,) = [
+                s
+                for s in rpcs(spans, "tokenmesh-worker", "tokenmesh.v1.Worker/Generate")
+                if s.parent_span_id == call.span_id
+            ]
             assert served.kind == trace_pb2.Span.SPAN_KIND_SERVER and served.trace_id.hex() == TRACE_ID
             (generated,) = [w for w in workers if w.parent_span_id == served.span_id]
             assert generated.name == "generate fake" and generated.trace_id.hex() == TRACE_ID
@@ -106,8 +116,11 @@ async def test_one_trace_from_the_callers_traceparent_through_router_and_worker(
     for span in moved:  # the failed attempt's worker span says why, the other one ends normally
         event = next(e for e in span.events if e.name == "tokenmesh.worker_failed")
         assert {a.key: a.value.string_value for a in event.attributes}["tokenmesh.failure"] == "backend"
-        served = [s for s in rpcs(spans, "tokenmesh-worker", "tokenmesh.v1.Worker/Generate")
-                  if parent(spans, s).parent_span_id == span.span_id]
+        served = [
+            s
+            for s in rpcs(spans, "tokenmesh-worker", "tokenmesh.v1.Worker/Generate")
+            if parent(spans, s).parent_span_id == span.span_id
+        ]
         statuses = sorted(w.status.code for w in workers if w.parent_span_id in {s.span_id for s in served})
         assert statuses == [trace_pb2.Status.STATUS_CODE_UNSET, trace_pb2.Status.STATUS_CODE_ERROR]
     other = next(s for s in routers if s.trace_id.hex() != TRACE_ID)
@@ -144,8 +157,7 @@ async def test_content_goes_into_spans_only_when_captured_and_then_redacted(
 ) -> None:
     monkeypatch.setenv("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "true")
     async with in_process_mesh() as mesh:
-        request = inference_pb2.GenerateRequest(prompt="mail alice@example.com about 4111 1111 1111 1111",
-                                                max_tokens=4)
+        request = inference_pb2.GenerateRequest(prompt="mail alice@example.com about 4111 1111 1111 1111", max_tokens=4)
         [c async for c in mesh.inference.Generate(request)]
     (span,) = generations(receiver.spans(), "tokenmesh-router")
     events = {e.name: {a.key: a.value.string_value for a in e.attributes} for e in span.events}
@@ -163,8 +175,11 @@ async def test_one_trace_from_the_http_callers_traceparent_through_gateway_route
 
     async with in_process_mesh() as mesh, gateway_over(mesh) as gateway:
         async with httpx.AsyncClient(base_url=gateway.url) as http:
-            answer = await http.post("/completions", json={"prompt": f"{SECRET} x", "max_tokens": 3},
-                                     headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+            answer = await http.post(
+                "/completions",
+                json={"prompt": f"{SECRET} x", "max_tokens": 3},
+                headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+            )
             assert answer.status_code == 200
             metrics = (await http.get(gateway.url.removesuffix("/v1") + "/metrics")).text
     spans = receiver.spans()
@@ -192,7 +207,8 @@ async def test_a_stream_the_client_cancels_is_recorded_cancelled_on_both_sides(r
         address = mesh.router.host.address
         async with grpc.aio.insecure_channel(address, interceptors=client_interceptors(tracing, address)) as channel:
             call = inference_pb2_grpc.InferenceStub(channel).Generate(
-                inference_pb2.GenerateRequest(prompt="x", max_tokens=500))
+                inference_pb2.GenerateRequest(prompt="x", max_tokens=500)
+            )
             async for chunk in call:
                 if chunk.seq == 2:
                     break
@@ -253,8 +269,10 @@ def test_peer_and_server_addresses_are_split_as_the_semantic_conventions_name_th
     assert _peer_attributes("ipv4:127.0.0.1:5071") == {"network.peer.address": "127.0.0.1", "network.peer.port": 5071}
     assert _peer_attributes("ipv6:%5B::1%5D:443") == {"network.peer.address": "::1", "network.peer.port": 443}
     assert _peer_attributes("unix:/run/w.sock") == {"network.peer.address": "/run/w.sock", "network.transport": "unix"}
-    assert _server_attributes("worker-0.tokenmesh:50051") == {"server.address": "worker-0.tokenmesh",
-                                                              "server.port": 50051}
+    assert _server_attributes("worker-0.tokenmesh:50051") == {
+        "server.address": "worker-0.tokenmesh",
+        "server.port": 50051,
+    }
     assert _server_attributes("[::1]:50051") == {"server.address": "::1", "server.port": 50051}
     assert _server_attributes("dns:///router:50050") == {"server.address": "router", "server.port": 50050}
 
@@ -280,8 +298,12 @@ async def test_an_untraced_router_passes_the_callers_context_on_and_keeps_its_sp
     async with in_process_mesh() as mesh:
         metadata = (("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"),)
         for _ in range(2):
-            [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="x", max_tokens=2),
-                                                      metadata=metadata)]
+            [
+                c
+                async for c in mesh.inference.Generate(
+                    inference_pb2.GenerateRequest(prompt="x", max_tokens=2), metadata=metadata
+                )
+            ]
         spares = [link.held(SPARE) for _, link in mesh.router.links.items()]
     spans = receiver.spans()
     assert not [s for svc, s in spans if svc == "tokenmesh-router"]

@@ -26,7 +26,12 @@ def test_the_rules_file_is_valid() -> None:
 
 
 def test_each_alert_fires_when_it_must_and_only_then() -> None:
-    result = subprocess.run([promtool(), "test", "rules", "alerts_test.yaml"], cwd=ROOT / "tests/prometheus",
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool(), "test", "rules", "alerts_test.yaml"],
+        cwd=ROOT / "tests/prometheus",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout

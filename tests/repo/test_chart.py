@@ -77,10 +77,19 @@ def helm(request: pytest.FixtureRequest) -> str:
 
 
 @functools.cache
-def run_template(helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST,
-                 api_versions: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    command = [str(helm_binary(helm)), "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
-               "--kube-version", kube]
+def run_template(
+    helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST, api_versions: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    command = [
+        str(helm_binary(helm)),
+        "template",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--kube-version",
+        kube,
+    ]
     if value_set != "defaults":
         command += ["--values", str(CHART / "examples" / f"{value_set}.yaml")]
     for key, value in extra:
@@ -90,28 +99,34 @@ def run_template(helm: str, value_set: str, extra: Overrides = (), kube: str = N
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
-def render_text(helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST,
-                api_versions: tuple[str, ...] = ()) -> str:
+def render_text(
+    helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST, api_versions: tuple[str, ...] = ()
+) -> str:
     done = run_template(helm, value_set, extra, kube, api_versions)
     assert done.returncode == 0, f"helm template failed:\n{done.stderr}"
     return done.stdout
 
 
 @functools.cache
-def _render(helm: str, value_set: str, extra: Overrides, kube: str,
-            api_versions: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
+def _render(
+    helm: str, value_set: str, extra: Overrides, kube: str, api_versions: tuple[str, ...]
+) -> tuple[dict[str, Any], ...]:
     return tuple(doc for doc in yaml.safe_load_all(render_text(helm, value_set, extra, kube, api_versions)) if doc)
 
 
-def render(helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST,
-           api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def render(
+    helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST, api_versions: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     """The rendered objects (fresh copies: tests may change them)."""
     return json.loads(json.dumps(_render(helm, value_set, extra, kube, api_versions)))
 
 
 # Every monitoring object on, in a cluster that has the Prometheus Operator's CRDs.
-MONITORING = overrides(monitoring__podMonitor__enabled=True, monitoring__prometheusRule__enabled=True,
-                       monitoring__grafanaDashboard__enabled=True)
+MONITORING = overrides(
+    monitoring__podMonitor__enabled=True,
+    monitoring__prometheusRule__enabled=True,
+    monitoring__grafanaDashboard__enabled=True,
+)
 
 
 def render_monitoring(helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST) -> list[dict[str, Any]]:
@@ -131,8 +146,11 @@ TLS_CASES: dict[str, tuple[str, Overrides, tuple[str, ...]]] = {
     "existing-secret": ("defaults", TLS_EXISTING, ()),
     "existing-secret-tls-only": ("cpu-embedded", TLS_EXISTING + overrides(tls__serviceMode="tls"), ()),
     "cert-manager": ("gpu-sidecar", TLS_CERT_MANAGER, (CERT_MANAGER_API,)),
-    "cert-manager-given-issuer": ("external-triton", TLS_CERT_MANAGER + overrides(
-        tls__certManager__issuerRef=GIVEN_ISSUER), (CERT_MANAGER_API,)),
+    "cert-manager-given-issuer": (
+        "external-triton",
+        TLS_CERT_MANAGER + overrides(tls__certManager__issuerRef=GIVEN_ISSUER),
+        (CERT_MANAGER_API,),
+    ),
 }
 
 
@@ -158,8 +176,12 @@ def containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def tokenmesh_containers(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    found = [c for doc in objects(docs, "Deployment").values()
-             for c in containers(doc["spec"]["template"]["spec"]) if c["image"] == IMAGE]
+    found = [
+        c
+        for doc in objects(docs, "Deployment").values()
+        for c in containers(doc["spec"]["template"]["spec"])
+        if c["image"] == IMAGE
+    ]
     assert {c["args"][0] for c in found} == {"router", "worker", "prober"}
     return found
 
@@ -198,14 +220,19 @@ def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     """A metav1.LabelSelector (matchLabels and matchExpressions) against a pod's labels."""
+
     def expression(e: dict[str, Any]) -> bool:
         present, value = e["key"] in labels, labels.get(e["key"])
-        return {"In": present and value in e.get("values", []),
-                "NotIn": not present or value not in e.get("values", []),
-                "Exists": present, "DoesNotExist": not present}[e["operator"]]
+        return {
+            "In": present and value in e.get("values", []),
+            "NotIn": not present or value not in e.get("values", []),
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[e["operator"]]
 
-    return (labels_match(selector.get("matchLabels", {}), labels)
-            and all(expression(e) for e in selector.get("matchExpressions", [])))
+    return labels_match(selector.get("matchLabels", {}), labels) and all(
+        expression(e) for e in selector.get("matchExpressions", [])
+    )
 
 
 # ------------------------------- the Prometheus Operator's and cert-manager's CRDs
@@ -244,61 +271,187 @@ DURATION = re.compile(r"(0|([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
-METADATA = Obj({"name": DNS_SUBDOMAIN, "namespace": DNS_SUBDOMAIN, "labels": MapOf(LABEL_VALUE, LABEL_KEY),
-                "annotations": MapOf(str)}, required=("name",))
-LABEL_SELECTOR = Obj({
-    "matchLabels": MapOf(LABEL_VALUE, LABEL_KEY),
-    "matchExpressions": ListOf(Obj({"key": LABEL_KEY, "operator": frozenset({"In", "NotIn", "Exists", "DoesNotExist"}),
-                                    "values": ListOf(LABEL_VALUE)}, required=("key", "operator"))),
-})
-POD_METRICS_ENDPOINT = Obj({
-    "port": str, "portNumber": int, "path": str, "scheme": frozenset({"http", "https"}), "interval": DURATION,
-    "scrapeTimeout": DURATION, "honorLabels": bool, "honorTimestamps": bool, "params": MapOf(ListOf(str)),
-    "relabelings": ListOf(dict), "metricRelabelings": ListOf(dict),
-})
-RULE = Obj({"alert": str, "record": str, "expr": (str, int), "for": DURATION, "keep_firing_for": DURATION,
-            "labels": MapOf(str), "annotations": MapOf(str)}, required=("expr",))
+METADATA = Obj(
+    {
+        "name": DNS_SUBDOMAIN,
+        "namespace": DNS_SUBDOMAIN,
+        "labels": MapOf(LABEL_VALUE, LABEL_KEY),
+        "annotations": MapOf(str),
+    },
+    required=("name",),
+)
+LABEL_SELECTOR = Obj(
+    {
+        "matchLabels": MapOf(LABEL_VALUE, LABEL_KEY),
+        "matchExpressions": ListOf(
+            Obj(
+                {
+                    "key": LABEL_KEY,
+                    "operator": frozenset({"In", "NotIn", "Exists", "DoesNotExist"}),
+                    "values": ListOf(LABEL_VALUE),
+                },
+                required=("key", "operator"),
+            )
+        ),
+    }
+)
+POD_METRICS_ENDPOINT = Obj(
+    {
+        "port": str,
+        "portNumber": int,
+        "path": str,
+        "scheme": frozenset({"http", "https"}),
+        "interval": DURATION,
+        "scrapeTimeout": DURATION,
+        "honorLabels": bool,
+        "honorTimestamps": bool,
+        "params": MapOf(ListOf(str)),
+        "relabelings": ListOf(dict),
+        "metricRelabelings": ListOf(dict),
+    }
+)
+RULE = Obj(
+    {
+        "alert": str,
+        "record": str,
+        "expr": (str, int),
+        "for": DURATION,
+        "keep_firing_for": DURATION,
+        "labels": MapOf(str),
+        "annotations": MapOf(str),
+    },
+    required=("expr",),
+)
 # cert-manager: Go durations (metav1.Duration) and the key usages its CRD enumerates.
 GO_DURATION = re.compile(r"([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+")
-KEY_USAGES = frozenset({
-    "signing", "digital signature", "content commitment", "key encipherment", "key agreement", "data encipherment",
-    "cert sign", "crl sign", "encipher only", "decipher only", "any", "server auth", "client auth", "code signing",
-    "email protection", "s/mime", "ipsec end system", "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing",
-    "microsoft sgc", "netscape sgc",
-})
+KEY_USAGES = frozenset(
+    {
+        "signing",
+        "digital signature",
+        "content commitment",
+        "key encipherment",
+        "key agreement",
+        "data encipherment",
+        "cert sign",
+        "crl sign",
+        "encipher only",
+        "decipher only",
+        "any",
+        "server auth",
+        "client auth",
+        "code signing",
+        "email protection",
+        "s/mime",
+        "ipsec end system",
+        "ipsec tunnel",
+        "ipsec user",
+        "timestamping",
+        "ocsp signing",
+        "microsoft sgc",
+        "netscape sgc",
+    }
+)
 ISSUER_REF = Obj({"name": DNS_SUBDOMAIN, "kind": str, "group": str}, required=("name",))
-CERTIFICATE_SPEC = Obj({
-    "secretName": DNS_SUBDOMAIN, "commonName": str, "dnsNames": ListOf(str), "uris": ListOf(str),
-    "ipAddresses": ListOf(str), "emailAddresses": ListOf(str), "duration": GO_DURATION, "renewBefore": GO_DURATION,
-    "renewBeforePercentage": int, "usages": ListOf(KEY_USAGES), "isCA": bool, "issuerRef": ISSUER_REF,
-    "privateKey": Obj({"algorithm": frozenset({"RSA", "ECDSA", "Ed25519"}), "encoding": frozenset({"PKCS1", "PKCS8"}),
-                       "size": int, "rotationPolicy": frozenset({"Never", "Always"})}),
-    "subject": Obj({key: ListOf(str) for key in ("organizations", "organizationalUnits", "countries", "localities",
-                                                 "provinces", "streetAddresses", "postalCodes")}),
-    "secretTemplate": Obj({"labels": MapOf(LABEL_VALUE, LABEL_KEY), "annotations": MapOf(str)}),
-    "revisionHistoryLimit": int, "encodeUsagesInRequest": bool,
-}, required=("secretName", "issuerRef"))
+CERTIFICATE_SPEC = Obj(
+    {
+        "secretName": DNS_SUBDOMAIN,
+        "commonName": str,
+        "dnsNames": ListOf(str),
+        "uris": ListOf(str),
+        "ipAddresses": ListOf(str),
+        "emailAddresses": ListOf(str),
+        "duration": GO_DURATION,
+        "renewBefore": GO_DURATION,
+        "renewBeforePercentage": int,
+        "usages": ListOf(KEY_USAGES),
+        "isCA": bool,
+        "issuerRef": ISSUER_REF,
+        "privateKey": Obj(
+            {
+                "algorithm": frozenset({"RSA", "ECDSA", "Ed25519"}),
+                "encoding": frozenset({"PKCS1", "PKCS8"}),
+                "size": int,
+                "rotationPolicy": frozenset({"Never", "Always"}),
+            }
+        ),
+        "subject": Obj(
+            {
+                key: ListOf(str)
+                for key in (
+                    "organizations",
+                    "organizationalUnits",
+                    "countries",
+                    "localities",
+                    "provinces",
+                    "streetAddresses",
+                    "postalCodes",
+                )
+            }
+        ),
+        "secretTemplate": Obj({"labels": MapOf(LABEL_VALUE, LABEL_KEY), "annotations": MapOf(str)}),
+        "revisionHistoryLimit": int,
+        "encodeUsagesInRequest": bool,
+    },
+    required=("secretName", "issuerRef"),
+)
 CRL = {"crlDistributionPoints": ListOf(str)}
 # An Issuer is exactly one kind of issuer: each alternative admits only its own field.
 ISSUER_SPEC = (
     Obj({"selfSigned": Obj(CRL)}, required=("selfSigned",)),
-    Obj({"ca": Obj({"secretName": DNS_SUBDOMAIN, **CRL, "ocspServers": ListOf(str),
-                    "issuingCertificateURLs": ListOf(str)}, required=("secretName",))}, required=("ca",)),
+    Obj(
+        {
+            "ca": Obj(
+                {"secretName": DNS_SUBDOMAIN, **CRL, "ocspServers": ListOf(str), "issuingCertificateURLs": ListOf(str)},
+                required=("secretName",),
+            )
+        },
+        required=("ca",),
+    ),
 )
 CRD_SHAPES: dict[tuple[str, str], Obj] = {
-    (api, kind): Obj({"apiVersion": frozenset({api}), "kind": frozenset({kind}), "metadata": METADATA,
-                      "spec": spec}, required=("apiVersion", "kind", "metadata", "spec"))
+    (api, kind): Obj(
+        {"apiVersion": frozenset({api}), "kind": frozenset({kind}), "metadata": METADATA, "spec": spec},
+        required=("apiVersion", "kind", "metadata", "spec"),
+    )
     for api, kind, spec in (
-        (OPERATOR_API, "PodMonitor", Obj({
-            "selector": LABEL_SELECTOR,
-            "namespaceSelector": Obj({"any": bool, "matchNames": ListOf(str)}),
-            "podMetricsEndpoints": ListOf(POD_METRICS_ENDPOINT, min_items=1),
-            "jobLabel": str, "podTargetLabels": ListOf(str), "sampleLimit": int,
-        }, required=("selector", "podMetricsEndpoints"))),
-        (OPERATOR_API, "PrometheusRule", Obj({"groups": ListOf(Obj({
-            "name": str, "interval": DURATION, "limit": int, "query_offset": DURATION,
-            "partial_response_strategy": str, "rules": ListOf(RULE),
-        }, required=("name", "rules")), min_items=1)}, required=("groups",))),
+        (
+            OPERATOR_API,
+            "PodMonitor",
+            Obj(
+                {
+                    "selector": LABEL_SELECTOR,
+                    "namespaceSelector": Obj({"any": bool, "matchNames": ListOf(str)}),
+                    "podMetricsEndpoints": ListOf(POD_METRICS_ENDPOINT, min_items=1),
+                    "jobLabel": str,
+                    "podTargetLabels": ListOf(str),
+                    "sampleLimit": int,
+                },
+                required=("selector", "podMetricsEndpoints"),
+            ),
+        ),
+        (
+            OPERATOR_API,
+            "PrometheusRule",
+            Obj(
+                {
+                    "groups": ListOf(
+                        Obj(
+                            {
+                                "name": str,
+                                "interval": DURATION,
+                                "limit": int,
+                                "query_offset": DURATION,
+                                "partial_response_strategy": str,
+                                "rules": ListOf(RULE),
+                            },
+                            required=("name", "rules"),
+                        ),
+                        min_items=1,
+                    )
+                },
+                required=("groups",),
+            ),
+        ),
         (CERT_MANAGER_API, "Certificate", CERTIFICATE_SPEC),
         (CERT_MANAGER_API, "Issuer", ISSUER_SPEC),
     )
@@ -326,14 +479,21 @@ def shape_errors(node: Any, shape: Any, path: str = "") -> list[str]:
     if not isinstance(node, dict):
         return [f"{where}: expected an object, got {node!r}"]
     if isinstance(shape, MapOf):
-        return [e for key, value in node.items()
-                for e in ([] if isinstance(key, str) and shape.keys.fullmatch(key) else [f"{where}: bad key {key!r}"])
-                + shape_errors(value, shape.values, f"{path}.{key}")]
+        return [
+            e
+            for key, value in node.items()
+            for e in ([] if isinstance(key, str) and shape.keys.fullmatch(key) else [f"{where}: bad key {key!r}"])
+            + shape_errors(value, shape.values, f"{path}.{key}")
+        ]
     assert isinstance(shape, Obj), shape
     errors = [f"{path}.{key}: '{key}' was unexpected" for key in node if key not in shape.fields]
     errors += [f"{path}.{key}: required" for key in shape.required if key not in node]
-    return errors + [e for key, value in node.items() if key in shape.fields
-                     for e in shape_errors(value, shape.fields[key], f"{path}.{key}")]
+    return errors + [
+        e
+        for key, value in node.items()
+        if key in shape.fields
+        for e in shape_errors(value, shape.fields[key], f"{path}.{key}")
+    ]
 
 
 # ------------------------------------------------- lint, validation, golden
@@ -347,8 +507,9 @@ def test_default_image_tag_is_the_package_version() -> None:
 
 def test_examples_are_the_three_triton_modes() -> None:
     assert sorted(p.stem for p in (CHART / "examples").glob("*.yaml")) == list(EXAMPLES)
-    modes = {name: yaml.safe_load((CHART / "examples" / f"{name}.yaml").read_text())["triton"]["mode"]
-             for name in EXAMPLES}
+    modes = {
+        name: yaml.safe_load((CHART / "examples" / f"{name}.yaml").read_text())["triton"]["mode"] for name in EXAMPLES
+    }
     assert modes == {"cpu-embedded": "embedded", "external-triton": "external", "gpu-sidecar": "sidecar"}
 
 
@@ -426,11 +587,16 @@ def test_golden_render(helm: str, example: str) -> None:
         golden.parent.mkdir(parents=True, exist_ok=True)
         golden.write_text(rendered)
     expected = golden.read_text() if golden.is_file() else ""
-    diff = "".join(difflib.unified_diff(expected.splitlines(True), rendered.splitlines(True),
-                                        str(golden.relative_to(ROOT)), f"{helm} template", n=2))
+    diff = "".join(
+        difflib.unified_diff(
+            expected.splitlines(True), rendered.splitlines(True), str(golden.relative_to(ROOT)), f"{helm} template", n=2
+        )
+    )
     if diff:
-        pytest.fail(f"the render of {example} ({value_set} {extra}) changed; if that is meant, regenerate with "
-                    f"UPDATE_GOLDEN=1 .venv/bin/pytest -q tests/repo/test_chart.py -k golden\n{diff[:6000]}")
+        pytest.fail(
+            f"the render of {example} ({value_set} {extra}) changed; if that is meant, regenerate with "
+            f"UPDATE_GOLDEN=1 .venv/bin/pytest -q tests/repo/test_chart.py -k golden\n{diff[:6000]}"
+        )
 
 
 # ----------------------------------------------------------- refused values
@@ -438,48 +604,80 @@ def test_golden_render(helm: str, example: str) -> None:
 SIDECAR_IMAGE = {"repository": "nvcr.io/nvidia/tritonserver", "tag": "24.08-vllm-python-py3"}
 BAD_VALUES = {
     "negative-gpu-count": (overrides(worker__gpus=-1), "worker.gpus"),
-    "sidecar-without-image": (overrides(triton__mode="sidecar", triton__modelRepository__volume={"emptyDir": {}}),
-                              "triton.image"),
-    "sidecar-without-model-repository": (overrides(triton__mode="sidecar", triton__image=SIDECAR_IMAGE),
-                                         "triton.modelRepository.volume"),
-    "worker-grace-shorter-than-drain": (overrides(worker__terminationGracePeriodSeconds=49),
-                                        "worker.terminationGracePeriodSeconds"),
-    "router-grace-shorter-than-drain": (overrides(router__drain__graceSeconds=45),
-                                        "router.terminationGracePeriodSeconds"),
-    "prestop-shorter-than-discovery": (overrides(worker__drain__preStopSleepSeconds=14),
-                                       "worker.drain.preStopSleepSeconds"),
+    "sidecar-without-image": (
+        overrides(triton__mode="sidecar", triton__modelRepository__volume={"emptyDir": {}}),
+        "triton.image",
+    ),
+    "sidecar-without-model-repository": (
+        overrides(triton__mode="sidecar", triton__image=SIDECAR_IMAGE),
+        "triton.modelRepository.volume",
+    ),
+    "worker-grace-shorter-than-drain": (
+        overrides(worker__terminationGracePeriodSeconds=49),
+        "worker.terminationGracePeriodSeconds",
+    ),
+    "router-grace-shorter-than-drain": (
+        overrides(router__drain__graceSeconds=45),
+        "router.terminationGracePeriodSeconds",
+    ),
+    "prestop-shorter-than-discovery": (
+        overrides(worker__drain__preStopSleepSeconds=14),
+        "worker.drain.preStopSleepSeconds",
+    ),
     "unknown-top-level-key": (overrides(replicas=3), "replicas"),
     "misspelt-nested-key": (overrides(worker__gpu=1), "gpu"),
     "unknown-triton-mode": (overrides(triton__mode="remote"), "triton.mode"),
     "latest-image-tag": (overrides(image__tag="latest"), "image.tag"),
     "pdb-allowing-no-disruption": (overrides(worker__pdb__maxUnavailable=0), "worker.pdb.maxUnavailable"),
-    "liveness-failing-at-once": (overrides(router__probes__liveness__failureThreshold=1),
-                                 "router.probes.liveness.failureThreshold"),
+    "liveness-failing-at-once": (
+        overrides(router__probes__liveness__failureThreshold=1),
+        "router.probes.liveness.failureThreshold",
+    ),
     "external-without-url": (overrides(triton__mode="external"), "triton.external.url"),
-    "external-with-gpus": (overrides(triton__mode="external", triton__external__url="triton:8001", worker__gpus=1),
-                           "worker.gpus"),
-    "autoscaling-without-cpu-request": (overrides(router__autoscaling__enabled=True, router__resources__requests=None),
-                                        "router.resources.requests.cpu"),
+    "external-with-gpus": (
+        overrides(triton__mode="external", triton__external__url="triton:8001", worker__gpus=1),
+        "worker.gpus",
+    ),
+    "autoscaling-without-cpu-request": (
+        overrides(router__autoscaling__enabled=True, router__resources__requests=None),
+        "router.resources.requests.cpu",
+    ),
     # Rendered without --api-versions: a cluster without the Prometheus Operator.
-    "podmonitor-without-operator-crds": (overrides(monitoring__podMonitor__enabled=True),
-                                         "monitoring.podMonitor.enabled"),
-    "prometheusrule-without-operator-crds": (overrides(monitoring__prometheusRule__enabled=True),
-                                             "monitoring.prometheusRule.enabled"),
+    "podmonitor-without-operator-crds": (
+        overrides(monitoring__podMonitor__enabled=True),
+        "monitoring.podMonitor.enabled",
+    ),
+    "prometheusrule-without-operator-crds": (
+        overrides(monitoring__prometheusRule__enabled=True),
+        "monitoring.prometheusRule.enabled",
+    ),
     "metrics-port-on-the-health-port": (overrides(metrics__port=8081), "metrics.port"),
     "metrics-port-on-the-router-port": (overrides(metrics__port=50051), "metrics.port"),
-    "metrics-port-on-tritons-port": (overrides(triton__mode="sidecar", triton__image=SIDECAR_IMAGE,
-                                               triton__modelRepository__volume={"emptyDir": {}}, metrics__port=8002),
-                                     "metrics.port"),
+    "metrics-port-on-tritons-port": (
+        overrides(
+            triton__mode="sidecar",
+            triton__image=SIDECAR_IMAGE,
+            triton__modelRepository__volume={"emptyDir": {}},
+            metrics__port=8002,
+        ),
+        "metrics.port",
+    ),
     "tenant-with-a-comma": (overrides(metrics__tenants=["acme,globex"]), "metrics.tenants"),
     "unknown-log-format": (overrides(logFormat="yaml"), "logFormat"),
-    "scrape-interval-not-a-duration": (overrides(monitoring__podMonitor__interval="15 seconds"),
-                                       "monitoring.podMonitor.interval"),
+    "scrape-interval-not-a-duration": (
+        overrides(monitoring__podMonitor__interval="15 seconds"),
+        "monitoring.podMonitor.interval",
+    ),
     "misspelt-monitoring-key": (overrides(monitoring__podMonitor__enable=True), "enable"),
     "unknown-tls-mode": (overrides(tls__mode="spiffe"), "tls.mode"),
     "unknown-tls-service-mode": (overrides(tls__serviceMode="off"), "tls.serviceMode"),
     "existing-secret-without-names": (overrides(tls__mode="existingSecret"), "tls.existingSecrets.router"),
-    "existing-secret-without-the-probers": (overrides(tls__mode="existingSecret", tls__existingSecrets={
-        "router": "mesh-router-tls", "worker": "mesh-worker-tls"}), "tls.existingSecrets.prober"),
+    "existing-secret-without-the-probers": (
+        overrides(
+            tls__mode="existingSecret", tls__existingSecrets={"router": "mesh-router-tls", "worker": "mesh-worker-tls"}
+        ),
+        "tls.existingSecrets.prober",
+    ),
     # Rendered without --api-versions: a cluster without cert-manager.
     "cert-manager-without-its-crds": (TLS_CERT_MANAGER, "tls.mode"),
     "certificate-duration-in-days": (overrides(tls__certManager__duration="90d"), "tls.certManager.duration"),
@@ -498,8 +696,12 @@ def test_bad_values_fail_naming_the_value(helm: str, case: str) -> None:
 
 
 def test_pod_monitor_needs_the_metrics_it_scrapes(helm: str) -> None:
-    done = run_template(helm, "defaults", overrides(monitoring__podMonitor__enabled=True, metrics__enabled=False),
-                        api_versions=(OPERATOR_API,))
+    done = run_template(
+        helm,
+        "defaults",
+        overrides(monitoring__podMonitor__enabled=True, metrics__enabled=False),
+        api_versions=(OPERATOR_API,),
+    )
     assert done.returncode != 0
     assert "monitoring.podMonitor.enabled needs metrics.enabled" in done.stderr, done.stderr
 
@@ -525,8 +727,11 @@ def test_probes_are_grpc_on_the_numeric_health_port(helm: str, value_set: str) -
     for container in tokenmesh_containers(render(helm, value_set)):
         port = int(arg(container, "--health-port"))
         assert {"name": "health", "containerPort": port} in container["ports"]
-        for probe, service in (("startupProbe", "readiness"), ("readinessProbe", "readiness"),
-                               ("livenessProbe", "liveness")):
+        for probe, service in (
+            ("startupProbe", "readiness"),
+            ("readinessProbe", "readiness"),
+            ("livenessProbe", "liveness"),
+        ):
             assert container[probe]["grpc"] == {"port": port, "service": service}, (container["name"], probe)
         # A drain flips readiness only; one slow answer must not restart the pod.
         assert container["livenessProbe"]["failureThreshold"] >= 2
@@ -547,8 +752,13 @@ def test_triton_sidecar_is_native_with_shm_and_model_repository(helm: str) -> No
     (triton,) = spec["initContainers"]
     assert triton["restartPolicy"] == "Always"
     assert triton["image"] == "nvcr.io/nvidia/tritonserver:24.08-vllm-python-py3"
-    assert triton["args"][:5] == ["tritonserver", "--model-repository=/models", "--grpc-port=8001",
-                                  "--http-port=8000", "--metrics-port=8002"]
+    assert triton["args"][:5] == [
+        "tritonserver",
+        "--model-repository=/models",
+        "--grpc-port=8001",
+        "--http-port=8000",
+        "--metrics-port=8002",
+    ]
     assert triton["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": 8000}
     assert triton["livenessProbe"]["failureThreshold"] >= 2
     volumes = {v["name"]: v for v in spec["volumes"]}
@@ -600,8 +810,11 @@ def test_pdbs_never_block_a_one_replica_drain(helm: str, value_set: str) -> None
     pdbs = objects(docs, "PodDisruptionBudget")
     assert sorted(pdbs) == [f"{RELEASE}-router", f"{RELEASE}-worker"]
     for name, pdb in pdbs.items():
-        pods = [d for d in objects(docs, "Deployment").values()
-                if labels_match(pdb["spec"]["selector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])]
+        pods = [
+            d
+            for d in objects(docs, "Deployment").values()
+            if labels_match(pdb["spec"]["selector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])
+        ]
         assert [d["metadata"]["name"] for d in pods] == [name]
         assert allowed_disruptions(pdb, 1) >= 1
 
@@ -628,9 +841,13 @@ def test_drain_fits_in_the_termination_grace(helm: str, value_set: str) -> None:
 def test_rollouts_never_lose_routers_nor_wait_for_spare_gpus(helm: str) -> None:
     docs = render(helm, "gpu-sidecar")
     assert deployment(docs, "router")["spec"]["strategy"] == {
-        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     assert deployment(docs, "worker")["spec"]["strategy"] == {
-        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
     prober = deployment(docs, "prober")["spec"]
     assert prober["strategy"] == {"type": "Recreate"} and prober["replicas"] == 1
 
@@ -695,8 +912,13 @@ def test_scheduling_is_passed_through_and_empty_by_default(helm: str) -> None:
         "runtimeClassName": "nvidia",
         "nodeSelector": {"pool": "h200"},
         "tolerations": [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}],
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["h200"]}]}]}}},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["h200"]}]}]
+                }
+            }
+        },
     }
     docs = render(helm, "defaults", overrides(**{f"worker__{key}": value for key, value in wanted.items()}))
     assert {key: pod_spec(docs, "worker")[key] for key in SCHEDULING} == wanted
@@ -721,8 +943,9 @@ def test_network_policies_are_optional_and_open_only_the_mesh_paths(helm: str) -
     example = yaml.safe_load((CHART / "examples" / "gpu-sidecar.yaml").read_text())["networkPolicy"]
     policies = objects(docs, "NetworkPolicy")
     assert sorted(policies) == [f"{RELEASE}-{c}" for c in ("prober", "router", "worker")]
-    pod_labels = {c: deployment(docs, c)["spec"]["template"]["metadata"]["labels"]
-                  for c in ("router", "worker", "prober")}
+    pod_labels = {
+        c: deployment(docs, c)["spec"]["template"]["metadata"]["labels"] for c in ("router", "worker", "prober")
+    }
 
     def sources(component: str, port: int) -> list[Any]:
         policy = policies[f"{RELEASE}-{component}"]["spec"]
@@ -731,8 +954,13 @@ def test_network_policies_are_optional_and_open_only_the_mesh_paths(helm: str) -
         return [peer for r in rules for peer in r.get("from", [{"anyone": True}])]
 
     def components(peers: list[Any]) -> set[str]:
-        return {c for peer in peers if "podSelector" in peer
-                for c, labels in pod_labels.items() if labels_match(peer["podSelector"]["matchLabels"], labels)}
+        return {
+            c
+            for peer in peers
+            if "podSelector" in peer
+            for c, labels in pod_labels.items()
+            if labels_match(peer["podSelector"]["matchLabels"], labels)
+        }
 
     assert example["callers"][0] in sources("router", 50051)
     assert components(sources("router", 50051)) == {"prober"}
@@ -744,15 +972,17 @@ def test_network_policies_are_optional_and_open_only_the_mesh_paths(helm: str) -
 
     # Without metrics, no metrics port is opened (Triton's stays).
     off = objects(render(helm, "gpu-sidecar", overrides(metrics__enabled=False)), "NetworkPolicy")
-    ports = {name: [port for rule in policy["spec"]["ingress"] for port in rule["ports"]]
-             for name, policy in off.items()}
+    ports = {
+        name: [port for rule in policy["spec"]["ingress"] for port in rule["ports"]] for name, policy in off.items()
+    }
     assert not [name for name, found in ports.items() if {"port": METRICS_PORT, "protocol": "TCP"} in found]
     assert {"port": 8002, "protocol": "TCP"} in ports[f"{RELEASE}-worker"]
     # Nor without anyone to scrape them (metricsFrom empty = no one).
     closed = render(helm, "gpu-sidecar", overrides(networkPolicy__metricsFrom=[]))
     for name, policy in objects(closed, "NetworkPolicy").items():
-        assert not [r for r in policy["spec"]["ingress"]
-                    if {"port": METRICS_PORT, "protocol": "TCP"} in r["ports"]], name
+        assert not [r for r in policy["spec"]["ingress"] if {"port": METRICS_PORT, "protocol": "TCP"} in r["ports"]], (
+            name
+        )
 
 
 # ---------------------------------------------------------------- metrics
@@ -769,8 +999,9 @@ def test_every_tokenmesh_container_serves_metrics(helm: str, value_set: str) -> 
 
 
 def test_metrics_values_reach_every_container(helm: str) -> None:
-    docs = render(helm, "gpu-sidecar", overrides(metrics__port=9100, metrics__tenants=["acme", "globex"],
-                                                 logFormat="json"))
+    docs = render(
+        helm, "gpu-sidecar", overrides(metrics__port=9100, metrics__tenants=["acme", "globex"], logFormat="json")
+    )
     for container in tokenmesh_containers(docs):
         assert arg(container, "--metrics-port") == "9100"
         assert {"name": "metrics", "containerPort": 9100} in container["ports"]
@@ -809,8 +1040,12 @@ def test_pod_monitor_scrapes_the_metrics_port_of_every_tokenmesh_pod(helm: str, 
     selected = sorted(name for name, labels in pod_labels(docs).items() if selects(spec["selector"], labels))
     assert selected == [f"{RELEASE}-{c}" for c in ("prober", "router", "worker")]
     for name in selected:
-        ports = [p for c in containers(pod_spec(docs, name.removeprefix(f"{RELEASE}-")))
-                 for p in c.get("ports", []) if p["name"] == "metrics"]
+        ports = [
+            p
+            for c in containers(pod_spec(docs, name.removeprefix(f"{RELEASE}-")))
+            for p in c.get("ports", [])
+            if p["name"] == "metrics"
+        ]
         assert ports == [{"name": "metrics", "containerPort": METRICS_PORT}], name
     # Another release's pods (or a pod of another component) are not scraped twice.
     router = pod_labels(docs)[f"{RELEASE}-router"]
@@ -846,9 +1081,15 @@ def test_grafana_dashboard_is_a_config_map_for_the_sidecar(helm: str) -> None:
     assert config_map["data"] == {"tokenmesh.json": DASHBOARD.read_text().rstrip("\n")}
     assert json.loads(config_map["data"]["tokenmesh.json"])["uid"] == "tokenmesh"
     # No CRD involved: it renders without the operator, in Grafana's namespace when asked, with its label.
-    elsewhere = render(helm, "defaults", overrides(monitoring__grafanaDashboard__enabled=True,
-                                                   monitoring__grafanaDashboard__namespace="monitoring",
-                                                   monitoring__grafanaDashboard__labels={"dashboards": "tokenmesh"}))
+    elsewhere = render(
+        helm,
+        "defaults",
+        overrides(
+            monitoring__grafanaDashboard__enabled=True,
+            monitoring__grafanaDashboard__namespace="monitoring",
+            monitoring__grafanaDashboard__labels={"dashboards": "tokenmesh"},
+        ),
+    )
     (config_map,) = objects(elsewhere, "ConfigMap").values()
     assert config_map["metadata"]["namespace"] == "monitoring"
     # helm merges the given labels into the default one.
@@ -898,8 +1139,9 @@ def test_tls_objects_validate(helm: str, case: str, kube: str) -> None:
     docs = render_tls(helm, case, kube)
     kinds = [doc["kind"] for doc in docs]
     own_ca = case == "cert-manager"
-    expected = {"existing-secret": 0, "existing-secret-tls-only": 0, "cert-manager": 4,
-                "cert-manager-given-issuer": 3}[case]
+    expected = {"existing-secret": 0, "existing-secret-tls-only": 0, "cert-manager": 4, "cert-manager-given-issuer": 3}[
+        case
+    ]
     assert (kinds.count("Certificate"), kinds.count("Issuer")) == (expected, 2 if own_ca else 0)
     assert validation_errors(docs, kube) == []
 
@@ -916,7 +1158,10 @@ def test_every_tokenmesh_container_gets_its_own_certificate_directory(helm: str,
         (container,) = [c for c in spec["containers"] if c["name"] == component]
         assert arg(container, "--tls-mode") == service_mode
         assert (arg(container, "--tls-cert"), arg(container, "--tls-key"), arg(container, "--tls-ca")) == (
-            f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt")
+            f"{TLS_DIR}/tls.crt",
+            f"{TLS_DIR}/tls.key",
+            f"{TLS_DIR}/ca.crt",
+        )
         # Routers and the prober reach pods by IP: they verify the name every certificate carries.
         names = [a for a in container["args"] if a.startswith("--tls-server-name")]
         assert names == ([] if component == "worker" else [f"--tls-server-name={TLS_SERVER_NAME}"])
@@ -952,9 +1197,16 @@ def test_cert_manager_certificates_carry_identity_and_names(helm: str) -> None:
         labels = deployment(docs, component)["spec"]["template"]["metadata"]["labels"]
         own = [name for name, service in services.items() if labels_match(service["spec"]["selector"], labels)]
         assert len(own) == {"router": 2, "worker": 1, "prober": 0}[component]
-        assert sorted(spec["dnsNames"]) == sorted([TLS_SERVER_NAME, *(
-            f"{name}{suffix}" for name in own
-            for suffix in ("", f".{NAMESPACE}", f".{NAMESPACE}.svc", f".{NAMESPACE}.svc.cluster.local"))])
+        assert sorted(spec["dnsNames"]) == sorted(
+            [
+                TLS_SERVER_NAME,
+                *(
+                    f"{name}{suffix}"
+                    for name in own
+                    for suffix in ("", f".{NAMESPACE}", f".{NAMESPACE}.svc", f".{NAMESPACE}.svc.cluster.local")
+                ),
+            ]
+        )
 
     # The chart's own CA, cert-manager's bootstrap: self-signed Issuer -> CA Certificate -> CA Issuer.
     issuers = objects(docs, "Issuer")
@@ -976,9 +1228,13 @@ def test_cert_manager_values_reach_the_certificates(helm: str) -> None:
     assert objects(docs, "Issuer") == {}, "the given issuer replaces the chart's CA"
     for certificate in objects(docs, "Certificate").values():
         assert certificate["spec"]["issuerRef"] == GIVEN_ISSUER and not certificate["spec"].get("isCA")
-    values = overrides(tls__certManager__duration="720h", tls__certManager__renewBefore="240h",
-                       tls__certManager__ca__duration="43800h", tls__certManager__issuerRef={"name": ""},
-                       discovery__clusterDomain="mesh.example")
+    values = overrides(
+        tls__certManager__duration="720h",
+        tls__certManager__renewBefore="240h",
+        tls__certManager__ca__duration="43800h",
+        tls__certManager__issuerRef={"name": ""},
+        discovery__clusterDomain="mesh.example",
+    )
     docs = render(helm, "defaults", TLS_CERT_MANAGER + values, api_versions=(CERT_MANAGER_API,))
     for certificate in objects(docs, "Certificate").values():
         spec = certificate["spec"]
@@ -1008,8 +1264,13 @@ def test_crd_shapes_hold_certificates_and_issuers_too() -> None:
 def test_config_check_reads_the_certificate_files() -> None:
     # Why the args check points the paths at real files: the mount paths alone fail here.
     router = pod_spec(render_tls("helm4", "existing-secret"), "router")["containers"][0]
-    done = subprocess.run([str(BIN / "tokenmesh"), *router["args"], "--check-config"],
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [str(BIN / "tokenmesh"), *router["args"], "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 2 and f"--tls-cert {TLS_DIR}/tls.crt" in done.stderr, done.stderr
 
 
@@ -1018,8 +1279,11 @@ def test_config_check_reads_the_certificate_files() -> None:
 
 CONFIG_CASES: dict[str, tuple[str, Overrides, tuple[str, ...]]] = {
     **{value_set: (value_set, (), ()) for value_set in VALUE_SETS},
-    "metrics-tenants-json-logs": ("defaults", overrides(metrics__port=9100, metrics__tenants=["acme", "globex"],
-                                                        logFormat="json"), ()),
+    "metrics-tenants-json-logs": (
+        "defaults",
+        overrides(metrics__port=9100, metrics__tenants=["acme", "globex"], logFormat="json"),
+        (),
+    ),
     "metrics-off": ("gpu-sidecar", overrides(metrics__enabled=False), ()),
     **{f"tls-{name}": case for name, case in TLS_CASES.items()},
 }
@@ -1029,8 +1293,13 @@ CONFIG_CASES: dict[str, tuple[str, Overrides, tuple[str, ...]]] = {
 def tls_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Per component, a folder shaped like its mounted kubernetes.io/tls Secret (tls.crt, tls.key, ca.crt)."""
     base = tmp_path_factory.mktemp("tls")
-    done = subprocess.run([str(BIN / "tokenmesh"), "certs", "--out", str(base / "made"), "--host", TLS_SERVER_NAME],
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [str(BIN / "tokenmesh"), "certs", "--out", str(base / "made"), "--host", TLS_SERVER_NAME],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     dirs = {}
     for component in COMPONENTS:
@@ -1049,8 +1318,14 @@ def test_container_args_pass_the_real_config_check(case: str, tls_dirs: dict[str
         env = {**os.environ, **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}
         # --check-config reads the certificate files: the mounted Secret's paths point at real ones here.
         args = [a.replace(f"{TLS_DIR}/", f"{tls_dirs[container['args'][0]]}/") for a in container["args"]]
-        done = subprocess.run([str(BIN / "tokenmesh"), *args, "--check-config"],
-                              capture_output=True, text=True, env=env, timeout=60, check=False)
+        done = subprocess.run(
+            [str(BIN / "tokenmesh"), *args, "--check-config"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
         assert done.returncode == 0, f"{container['name']} {args}:\n{done.stderr}"
         if case.startswith("tls-"):
             assert f"tls_cert = '{tls_dirs[args[0]]}/tls.crt'" in done.stdout, done.stdout
@@ -1079,9 +1354,14 @@ def test_values_schema_is_draft_07_and_self_contained() -> None:
 
 def test_notes_tell_the_grpcurl_command() -> None:
     # helm v3's `install --dry-run=client` still asks a cluster for its version; v4's does not.
-    done = subprocess.run([str(helm_binary("helm4")), "install", RELEASE, str(CHART), "--namespace", NAMESPACE,
-                           "--dry-run=client"], capture_output=True, text=True, timeout=60, check=False,
-                          env={**os.environ, "KUBECONFIG": os.devnull})
+    done = subprocess.run(
+        [str(helm_binary("helm4")), "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "KUBECONFIG": os.devnull},
+    )
     assert done.returncode == 0, done.stderr
     notes = done.stdout.split("NOTES:", 1)[1]
     assert f"kubectl -n {NAMESPACE} port-forward svc/{RELEASE}-router 50051:50051" in notes
@@ -1090,12 +1370,22 @@ def test_notes_tell_the_grpcurl_command() -> None:
 
 @pytest.mark.parametrize("service_mode", ["mtls", "tls"])
 def test_notes_tell_the_tls_grpcurl_command(service_mode: str) -> None:
-    command = [str(helm_binary("helm4")), "install", RELEASE, str(CHART), "--namespace", NAMESPACE,
-               "--dry-run=client", "--set-json", f'tls.serviceMode="{service_mode}"']
+    command = [
+        str(helm_binary("helm4")),
+        "install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--dry-run=client",
+        "--set-json",
+        f'tls.serviceMode="{service_mode}"',
+    ]
     for key, value in TLS_EXISTING:
         command += ["--set-json", f"{key}={value}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False,
-                          env={**os.environ, "KUBECONFIG": os.devnull})
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=60, check=False, env={**os.environ, "KUBECONFIG": os.devnull}
+    )
     assert done.returncode == 0, done.stderr
     notes = done.stdout.split("NOTES:", 1)[1]
     assert "-plaintext" not in notes
@@ -1116,6 +1406,7 @@ def test_the_kubernetes_doc_documents_every_value() -> None:
     section = KUBERNETES_DOC.read_text()
     assert section.startswith("# Deploy on Kubernetes")
     values = yaml.safe_load((CHART / "values.yaml").read_text())
+
     # A value is documented when it, or a group above it below the top level
     # (`worker.probes`), is named in backticks.
     def named(path: str) -> bool:

@@ -17,15 +17,15 @@ OWNERS = {
 
 EXCEPTIONS = {
     ("services/tokenmesh/cli.py", "insecure_channel"): "`tokenmesh status` and `models`: one call per command, on a "
-                                                       "channel closed by `async with` when the command returns",
+    "channel closed by `async with` when the command returns",
     ("services/tokenmesh/cli.py", "RouterStub"): "`tokenmesh status`: the same one-shot call",
     ("services/tokenmesh/cli.py", "InferenceStub"): "`tokenmesh models`: the same one-shot call",
     ("services/tokenmesh/bench/targets.py", "insecure_channel"): "`tokenmesh bench` reads one router's table once, "
-                                                                 "at its start (the client has no such call)",
+    "at its start (the client has no such call)",
     ("services/tokenmesh/bench/targets.py", "secure_channel"): "the same, with --tls",
     ("services/tokenmesh/bench/targets.py", "RouterStub"): "the same one-shot GetRoutingTable",
     ("services/tokenmesh/worker/triton/_backend.py", "insecure_channel"): "Triton is not a mesh peer: the backend owns "
-                                                                          "its one channel to its own Triton server",
+    "its one channel to its own Triton server",
     ("services/tokenmesh/worker/triton/_backend.py", "secure_channel"): "the same, to a Triton behind TLS",
     ("services/tokenmesh/worker/triton/_backend.py", "GRPCInferenceServiceStub"): "the same: Triton's stub",
 }
@@ -63,10 +63,16 @@ def _scan() -> dict[tuple[str, str], list[int]]:
 
 def test_no_module_but_links_and_tls_opens_a_channel_or_makes_a_stub() -> None:
     found = _scan()
-    unexpected = [f"{module}:{line} makes {name}" for (module, name), lines in sorted(found.items())
-                  if (module, name) not in EXCEPTIONS for line in lines]
-    assert not unexpected, ("peer connections belong to tokenmesh.links (Links.open, Link.stub); "
-                            "or add a justified exception: " + "; ".join(unexpected))
+    unexpected = [
+        f"{module}:{line} makes {name}"
+        for (module, name), lines in sorted(found.items())
+        if (module, name) not in EXCEPTIONS
+        for line in lines
+    ]
+    assert not unexpected, (
+        "peer connections belong to tokenmesh.links (Links.open, Link.stub); "
+        "or add a justified exception: " + "; ".join(unexpected)
+    )
 
 
 def test_every_exception_is_still_needed() -> None:

@@ -44,14 +44,30 @@ def test_public_names_from_the_contract() -> None:
     assert inference.methods_by_name["Generate"].server_streaming
     assert inference.methods_by_name["Resume"].server_streaming
     request_fields = set(inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
-    assert {"model", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "seed", "priority",
-            "request_id", "labels"} <= request_fields
+    assert {
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "seed",
+        "priority",
+        "request_id",
+        "labels",
+    } <= request_fields
     chunk_fields = set(inference_pb2.GenerateChunk.DESCRIPTOR.fields_by_name)
     assert {"request_id", "seq", "text", "token_count", "finish_reason", "usage"} <= chunk_fields
     assert set(inference_pb2.Priority.keys()) == {
-        "PRIORITY_UNSPECIFIED", "PRIORITY_LOW", "PRIORITY_NORMAL", "PRIORITY_HIGH"}
-    assert {"FINISH_REASON_STOP", "FINISH_REASON_LENGTH", "FINISH_REASON_CANCELLED",
-            "FINISH_REASON_ERROR"} <= set(inference_pb2.FinishReason.keys())
+        "PRIORITY_UNSPECIFIED",
+        "PRIORITY_LOW",
+        "PRIORITY_NORMAL",
+        "PRIORITY_HIGH",
+    }
+    assert {"FINISH_REASON_STOP", "FINISH_REASON_LENGTH", "FINISH_REASON_CANCELLED", "FINISH_REASON_ERROR"} <= set(
+        inference_pb2.FinishReason.keys()
+    )
     entry = set(router_pb2.RoutingEntry.DESCRIPTOR.fields_by_name)
     assert {"address", "weight", "state", "in_flight", "served_total"} <= entry
     worker = worker_pb2.DESCRIPTOR.services_by_name["Worker"].methods_by_name

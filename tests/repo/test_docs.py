@@ -159,8 +159,13 @@ def test_the_readme_is_short_and_links_every_docs_page() -> None:
 def test_nothing_in_the_repository_links_outside_it_to_the_shared_folder() -> None:
     outside = "../" + "shared/"
     # The files git keeps (tracked, or new and not ignored): build output such as *.egg-info is not the repository.
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.splitlines()
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     found = []
     for name in listed:
         path = ROOT / name

@@ -36,7 +36,7 @@ def long_functions(source: str, max_lines: int = MAX_LINES) -> list[tuple[str, i
             if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
                 name = f"{prefix}{child.name}"
                 size = (child.end_lineno or child.lineno) - child.lineno + 1
-                signature = lines[child.lineno - 1:child.body[0].lineno - 1] or [lines[child.lineno - 1]]
+                signature = lines[child.lineno - 1 : child.body[0].lineno - 1] or [lines[child.lineno - 1]]
                 if size > max_lines and not any(MARKER.search(line) for line in signature):
                     found.append((name, child.lineno, size))
                 visit(child, f"{name}.")
@@ -50,18 +50,21 @@ def long_functions(source: str, max_lines: int = MAX_LINES) -> list[tuple[str, i
 
 
 def _checked_files() -> list[Path]:
-    return sorted(path for top in CHECKED for path in (ROOT / top).rglob("*.py")
-                  if GENERATED not in path.parents)
+    return sorted(path for top in CHECKED for path in (ROOT / top).rglob("*.py") if GENERATED not in path.parents)
 
 
 def test_no_function_in_services_or_gateway_is_over_60_lines_without_saying_why() -> None:
     files = _checked_files()
     assert len(files) > 50  # the walk found the packages
-    offenders = [f"{path.relative_to(ROOT)}:{line} {name} ({size} lines)"
-                 for path in files for name, line, size in long_functions(path.read_text())]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} {name} ({size} lines)"
+        for path in files
+        for name, line, size in long_functions(path.read_text())
+    ]
     assert not offenders, (
         f"functions over {MAX_LINES} lines: split them into named steps, or put '# long: <why>' on the def line:\n"
-        + "\n".join(offenders))
+        + "\n".join(offenders)
+    )
 
 
 def _function(name: str, body_lines: int, def_line: str = "") -> str:
@@ -70,16 +73,21 @@ def _function(name: str, body_lines: int, def_line: str = "") -> str:
 
 
 def test_the_check_counts_from_the_def_line_and_names_nested_and_method_functions() -> None:
-    source = "\n".join([
-        _function("fits", 59),  # 60 lines with its def
-        _function("over", 60),
-        "class Owner:",
-        "    " + _function("method", 70).replace("\n", "\n    "),
-        "@decorated",
-        _function("outer", 3) + "    " + _function("inner", 61).replace("\n", "\n    "),
-    ])
+    source = "\n".join(
+        [
+            _function("fits", 59),  # 60 lines with its def
+            _function("over", 60),
+            "class Owner:",
+            "    " + _function("method", 70).replace("\n", "\n    "),
+            "@decorated",
+            _function("outer", 3) + "    " + _function("inner", 61).replace("\n", "\n    "),
+        ]
+    )
     assert [(name, size) for name, _, size in long_functions(source)] == [
-        ("over", 61), ("Owner.method", 71), ("outer", 66), ("outer.inner", 62),
+        ("over", 61),
+        ("Owner.method", 71),
+        ("outer", 66),
+        ("outer.inner", 62),
     ]
 
 

@@ -27,8 +27,22 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 # Grafana's interval variables, as Prometheus would see them after Grafana's substitution.
 GRAFANA_INTERVALS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
 HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
-PROMQL_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "group_left",
-                   "group_right", "inf", "nan", "atan2"}
+PROMQL_KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "inf",
+    "nan",
+    "atan2",
+}
 
 # What the dashboard must show (issue 14): metric -> the quantiles asked of it (none: not a histogram).
 REQUIRED = {
@@ -92,23 +106,34 @@ def series_metric(name: str) -> str:
 def parse(expr: str) -> tuple[list[str], set[str], set[str]]:
     """The metric names of a PromQL expression, the labels it matches on, and those it groups by."""
     text = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`', '""', expr)
-    matched = {label for braces in re.findall(r"\{([^}]*)\}", text)
-               for label in re.findall(r"([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)", braces)}
+    matched = {
+        label
+        for braces in re.findall(r"\{([^}]*)\}", text)
+        for label in re.findall(r"([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)", braces)
+    }
     text = re.sub(r"\{[^}]*\}", " ", text)
     text = re.sub(r"\[[^\]]*\]", " ", text)
-    grouped = {label.strip() for clause in re.findall(
-        r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", text)
-               for label in clause.split(",") if label.strip()}
+    grouped = {
+        label.strip()
+        for clause in re.findall(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", text)
+        for label in clause.split(",")
+        if label.strip()
+    }
     text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
-    names = [m.group(0) for m in re.finditer(r"(?<![\w.:])[A-Za-z_:][\w:]*", text)
-             if m.group(0).lower() not in PROMQL_KEYWORDS and not re.match(r"\s*\(", text[m.end():])]
+    names = [
+        m.group(0)
+        for m in re.finditer(r"(?<![\w.:])[A-Za-z_:][\w:]*", text)
+        if m.group(0).lower() not in PROMQL_KEYWORDS and not re.match(r"\s*\(", text[m.end() :])
+    ]
     return names, matched, grouped
 
 
 def test_parse_finds_metrics_and_labels() -> None:
     # The helper the checks below rely on, on an expression with every construct it strips.
-    names, matched, grouped = parse('histogram_quantile(0.99, sum by (le, model) (rate(a_bucket{model=~"x|y", '
-                                    'tenant!="b c"}[5m]))) > 1e3 and on (model) b offset 1m')
+    names, matched, grouped = parse(
+        'histogram_quantile(0.99, sum by (le, model) (rate(a_bucket{model=~"x|y", '
+        'tenant!="b c"}[5m]))) > 1e3 and on (model) b offset 1m'
+    )
     assert (names, matched, grouped) == (["a_bucket", "b"], {"model", "tenant"}, {"le", "model"})
 
 
@@ -123,8 +148,9 @@ def test_dashboard_parses_and_is_a_current_grafana_dashboard() -> None:
     for panel in panels(board):
         grid = panel["gridPos"]
         assert grid["x"] + grid["w"] <= 24, panel["title"]
-        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
-                for y in range(grid["y"], grid["y"] + grid["h"])}
+        area = {
+            (x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])
+        }
         assert not area & cells, f"{panel['title']} overlaps another panel"
         cells |= area
 
@@ -155,7 +181,7 @@ def test_every_expression_names_only_readme_metrics_with_their_labels() -> None:
         assert names, f"{where}: no metric in {target['expr']}"
         metrics = [series_metric(name) for name in names]
         unknown = [name for name, metric in zip(names, metrics, strict=True) if metric not in known]
-        assert not unknown, f"{where}: not in docs/observability.md \"## Metrics\": {unknown}"
+        assert not unknown, f'{where}: not in docs/observability.md "## Metrics": {unknown}'
         labels = {label for metric in metrics for label in known[metric][1]}
         labels |= {"le"} if any(name.endswith("_bucket") for name in names) else set()
         assert matched | grouped <= labels, f"{where}: labels {sorted((matched | grouped) - labels)} not on {metrics}"
@@ -175,8 +201,11 @@ def test_the_dashboard_shows_what_issue_14_asks() -> None:
         quantile = re.match(r"\s*histogram_quantile\(\s*([0-9.]+)", target["expr"])
         for name in names:
             shown.setdefault(name, set()).update({float(quantile.group(1))} if quantile else set())
-    missing = {name: quantiles - shown.get(name, set()) for name, quantiles in REQUIRED.items()
-               if name not in shown or quantiles - shown[name]}
+    missing = {
+        name: quantiles - shown.get(name, set())
+        for name, quantiles in REQUIRED.items()
+        if name not in shown or quantiles - shown[name]
+    }
     assert not missing, f"not on the dashboard (metric: quantiles): {missing}"
 
 
@@ -199,8 +228,9 @@ def test_every_expression_is_valid_promql(tmp_path: Path) -> None:
         rules.append({"record": f"tokenmesh_dashboard:panel{panel['id']}_{target['refId']}", "expr": expr})
     path = tmp_path / "dashboard-rules.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "tokenmesh-dashboard", "rules": rules}]}, sort_keys=False))
-    done = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60,
-                          check=False)
+    done = subprocess.run(
+        [promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(rules)} rules found" in done.stdout, done.stdout
 
@@ -208,8 +238,19 @@ def test_every_expression_is_valid_promql(tmp_path: Path) -> None:
 def test_promtool_refuses_a_broken_expression(tmp_path: Path) -> None:
     # What makes the check above worth having.
     path = tmp_path / "broken.yaml"
-    path.write_text(yaml.safe_dump({"groups": [{"name": "broken", "rules": [
-        {"record": "broken:x", "expr": "sum by (le (rate(tokenmesh_router_queued[5m]))"}]}]}))
-    done = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60,
-                          check=False)
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "groups": [
+                    {
+                        "name": "broken",
+                        "rules": [{"record": "broken:x", "expr": "sum by (le (rate(tokenmesh_router_queued[5m]))"}],
+                    }
+                ]
+            }
+        )
+    )
+    done = subprocess.run(
+        [promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode != 0, done.stdout

@@ -13,8 +13,14 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-@pytest.mark.parametrize(("tool", "target"), [("hadolint", "Dockerfile"), ("shellcheck", "scripts/build_image.sh"),
-                                             ("shellcheck", "scripts/install_debian_packages.sh")])
+@pytest.mark.parametrize(
+    ("tool", "target"),
+    [
+        ("hadolint", "Dockerfile"),
+        ("shellcheck", "scripts/build_image.sh"),
+        ("shellcheck", "scripts/install_debian_packages.sh"),
+    ],
+)
 def test_linter_passes(tool: str, target: str) -> None:
     binary = BIN / tool
     if not binary.exists():

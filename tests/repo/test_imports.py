@@ -131,8 +131,10 @@ def test_the_graph_sees_imports_in_functions_and_under_type_checking(tmp_path: P
     assert "tokenmesh.router._config" in graph["tokenmesh.router._service"]  # module level
     assert "tokenmesh_gateway" in graph["tokenmesh.cli"]  # inside build_parser()
     module = tmp_path / "_metrics.py"
-    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._owner import Owner\n"
-                      "def f():\n    import tokenmesh.config\n")
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._owner import Owner\n"
+        "def f():\n    import tokenmesh.config\n"
+    )
     known = {"tokenmesh.x._owner": module, "tokenmesh.config": module}
     assert set(_imported("tokenmesh.x._metrics", module, known)) == {"tokenmesh.x._owner", "tokenmesh.config"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
@@ -158,6 +160,9 @@ def test_the_gateway_never_reaches_the_command_line_or_the_mesh_launcher() -> No
             reached.add(module)
             frontier.extend(graph[module])
     assert not reached & {"tokenmesh.cli", "tokenmesh.mesh", "tokenmesh.__main__"}
-    into_gateway = {m for m, targets in graph.items() if m.split(".")[0] == "tokenmesh"
-                    and any(t.split(".")[0] == "tokenmesh_gateway" for t in targets)}
+    into_gateway = {
+        m
+        for m, targets in graph.items()
+        if m.split(".")[0] == "tokenmesh" and any(t.split(".")[0] == "tokenmesh_gateway" for t in targets)
+    }
     assert into_gateway == {"tokenmesh.cli"}

@@ -10,8 +10,18 @@ import sys
 async def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
     """``python -m tokenmesh bench`` with ``args`` (no progress bar, no warm-up); killed if it outlives 120 s."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokenmesh", "bench", "--progress", "off", "--warmup", "0", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "tokenmesh",
+        "bench",
+        "--progress",
+        "off",
+        "--warmup",
+        "0",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         stdout, stderr = await asyncio.wait_for(proc.communicate(), 120)
     finally:

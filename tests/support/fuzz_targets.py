@@ -22,8 +22,14 @@ generate_requests = st.builds(
     inference_pb2.GenerateRequest,
     model=st.one_of(st.just(""), texts),
     prompt=texts,
-    messages=st.lists(st.builds(inference_pb2.ChatMessage, role=st.one_of(st.sampled_from(
-        ["user", "system", "assistant"]), texts), content=texts), max_size=4),
+    messages=st.lists(
+        st.builds(
+            inference_pb2.ChatMessage,
+            role=st.one_of(st.sampled_from(["user", "system", "assistant"]), texts),
+            content=texts,
+        ),
+        max_size=4,
+    ),
     max_tokens=st.one_of(huge_ints, st.integers(0, 64)),
     temperature=floats,
     top_p=floats,
@@ -39,12 +45,23 @@ cancel_requests = st.builds(inference_pb2.CancelRequest, request_id=texts)
 weight_tables = st.builds(
     router_pb2.WeightTable,
     version=st.integers(0, 2**64 - 1),
-    workers=st.lists(st.builds(router_pb2.WorkerWeight, address=texts, weight=st.floats(width=64),
-                               concurrency_limit=st.integers(0, 2**32 - 1), reason=texts), max_size=5),
+    workers=st.lists(
+        st.builds(
+            router_pb2.WorkerWeight,
+            address=texts,
+            weight=st.floats(width=64),
+            concurrency_limit=st.integers(0, 2**32 - 1),
+            reason=texts,
+        ),
+        max_size=5,
+    ),
 )
 worker_commands = st.builds(
-    worker_pb2.WorkerCommand, start=generate_requests, first_seq=st.integers(0, 2**64 - 1),
-    tokens_before=st.integers(0, 2**32 - 1), resumable=st.booleans(),
+    worker_pb2.WorkerCommand,
+    start=generate_requests,
+    first_seq=st.integers(0, 2**64 - 1),
+    tokens_before=st.integers(0, 2**32 - 1),
+    resumable=st.booleans(),
 )
 
 # (method, kind, message strategy): kind is how the method takes its request.
@@ -58,8 +75,11 @@ TARGETS = [
 ]
 WORKER_TARGETS = [
     ("/tokenmesh.v1.Worker/Generate", "stream_stream", worker_commands),
-    ("/tokenmesh.v1.Worker/Attach", "unary_stream", st.builds(worker_pb2.AttachRequest, request_id=texts,
-                                                              after_seq=st.integers(0, 2**64 - 1))),
+    (
+        "/tokenmesh.v1.Worker/Attach",
+        "unary_stream",
+        st.builds(worker_pb2.AttachRequest, request_id=texts, after_seq=st.integers(0, 2**64 - 1)),
+    ),
     ("/tokenmesh.v1.Worker/Cancel", "unary_unary", cancel_requests),
     ("/tokenmesh.v1.Worker/Stats", "stream_stream", st.builds(worker_pb2.StatsPing, ping_id=st.integers(0, 2**64 - 1))),
     ("/tokenmesh.v1.Worker/Describe", "unary_unary", st.just(worker_pb2.DescribeRequest())),
@@ -68,10 +88,15 @@ WORKER_TARGETS = [
 
 def payloads(targets: list[tuple[str, str, st.SearchStrategy]]) -> st.SearchStrategy:
     """(method, kind, request bytes): a serialized message of the method's type, or random bytes."""
+
     def one(target: tuple[str, str, st.SearchStrategy]) -> st.SearchStrategy:
         method, kind, messages = target
-        return st.tuples(st.just(method), st.just(kind), st.one_of(
-            messages.map(lambda m: m.SerializeToString()), st.binary(max_size=512)))
+        return st.tuples(
+            st.just(method),
+            st.just(kind),
+            st.one_of(messages.map(lambda m: m.SerializeToString()), st.binary(max_size=512)),
+        )
+
     return st.one_of(*(one(t) for t in targets))
 
 

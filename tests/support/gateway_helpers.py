@@ -15,8 +15,9 @@ from .mesh import InProcessMesh
 
 
 @contextlib.asynccontextmanager
-async def gateway_over(mesh: InProcessMesh | None, routers: tuple[str, ...] = (),
-                       **settings: Any) -> AsyncIterator[Gateway]:
+async def gateway_over(
+    mesh: InProcessMesh | None, routers: tuple[str, ...] = (), **settings: Any
+) -> AsyncIterator[Gateway]:
     """A started gateway on 127.0.0.1:0 in front of the mesh's router (or routers); shut down after."""
     gateway = Gateway(GatewayConfig(port=0, routers=routers or (mesh.router.host.address,), **settings))
     await gateway.start()
@@ -89,4 +90,3 @@ class Reader:
         async for piece in self._pieces:
             self.raw += piece
         return self.raw[before:]
-

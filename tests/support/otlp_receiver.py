@@ -33,8 +33,9 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         found = []
         for request in self.requests:
             for resource_spans in request.resource_spans:
-                service = next((a.value.string_value for a in resource_spans.resource.attributes
-                                if a.key == "service.name"), "")
+                service = next(
+                    (a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"), ""
+                )
                 for scope in resource_spans.scope_spans:
                     found += [(service, span) for span in scope.spans]
         return found

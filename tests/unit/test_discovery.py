@@ -38,8 +38,13 @@ class Records:
 
 def discovery(records: Records, *names: str) -> tuple[Discovery, list[tuple[str, str]]]:
     events: list[tuple[str, str]] = []
-    found = Discovery(names, records, lambda a, n: events.append(("add", a)),
-                      lambda a, why: events.append(("remove", a)), what="worker")
+    found = Discovery(
+        names,
+        records,
+        lambda a, n: events.append(("add", a)),
+        lambda a, why: events.append(("remove", a)),
+        what="worker",
+    )
     return found, events
 
 
@@ -143,16 +148,25 @@ async def test_a_router_follows_the_records_and_drains_a_worker_that_left_withou
     hosts = ("127.0.0.1", "127.0.0.2")
     port = free_port_on(*hosts)
     backends = [FakeBackend(delay=0.01), FakeBackend(delay=0.01)]
-    workers = [Worker(WorkerConfig(host=h, port=port, drain_grace_s=1), backend=b)
-               for h, b in zip(hosts, backends, strict=True)]
+    workers = [
+        Worker(WorkerConfig(host=h, port=port, drain_grace_s=1), backend=b)
+        for h, b in zip(hosts, backends, strict=True)
+    ]
     router: Router | None = None
     try:
         for worker in workers:
             await worker.start()
         server.zone.set("workers.mesh.test", "127.0.0.1")
-        router = Router(RouterConfig(port=0, workers=(f"workers.mesh.test:{port}", f"missing.mesh.test:{port}"),
-                                     discovery="dns", discovery_dns_server=server.address,
-                                     discovery_interval_s=0.2, drain_grace_s=1))
+        router = Router(
+            RouterConfig(
+                port=0,
+                workers=(f"workers.mesh.test:{port}", f"missing.mesh.test:{port}"),
+                discovery="dns",
+                discovery_dns_server=server.address,
+                discovery_interval_s=0.2,
+                drain_grace_s=1,
+            )
+        )
         await router.start()
         pool = router.pool
         first, second = f"127.0.0.1:{port}", f"127.0.0.2:{port}"
@@ -247,11 +261,21 @@ def test_a_worker_found_after_the_table_arrived_takes_its_weight_from_that_table
 
     pool = WorkerPool()
     pool.add("10.0.0.1:1", "dns w:1")
-    table = router_pb2.WeightTable(version=7, workers=[
-        router_pb2.WorkerWeight(address="10.0.0.1:1", weight=0.5, state=router_pb2.WORKER_STATE_SERVING, reason="a"),
-        router_pb2.WorkerWeight(address="10.0.0.2:1", weight=0.25, state=router_pb2.WORKER_STATE_SERVING, reason="b",
-                                concurrency_limit=8),
-    ])
+    table = router_pb2.WeightTable(
+        version=7,
+        workers=[
+            router_pb2.WorkerWeight(
+                address="10.0.0.1:1", weight=0.5, state=router_pb2.WORKER_STATE_SERVING, reason="a"
+            ),
+            router_pb2.WorkerWeight(
+                address="10.0.0.2:1",
+                weight=0.25,
+                state=router_pb2.WORKER_STATE_SERVING,
+                reason="b",
+                concurrency_limit=8,
+            ),
+        ],
+    )
     assert pool.apply(table)  # without adopt, the worker the router has not found is passed over
     assert set(pool.entries) == {"10.0.0.1:1"}
     late = pool.add("10.0.0.2:1", "dns w:1")  # the router's own lookup finds it later

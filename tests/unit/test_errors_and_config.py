@@ -23,11 +23,15 @@ from tokenmesh.worker import WorkerConfig
     ("message", "error_class"),
     [
         # llama.cpp server
-        ("request (401 tokens) exceeds the available context size (256 tokens), try increasing it",
-         worker_pb2.ERROR_CLASS_INVALID_REQUEST),
+        (
+            "request (401 tokens) exceeds the available context size (256 tokens), try increasing it",
+            worker_pb2.ERROR_CLASS_INVALID_REQUEST,
+        ),
         # vLLM
-        ("This model's maximum context length is 2048 tokens. However, you requested 4000 tokens",
-         worker_pb2.ERROR_CLASS_INVALID_REQUEST),
+        (
+            "This model's maximum context length is 2048 tokens. However, you requested 4000 tokens",
+            worker_pb2.ERROR_CLASS_INVALID_REQUEST,
+        ),
         ("CUDA out of memory. Tried to allocate 2.00 GiB", worker_pb2.ERROR_CLASS_OUT_OF_MEMORY),
         ("Request for unknown model: 'x' has no available versions", worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND),
         ("Deadline Exceeded", worker_pb2.ERROR_CLASS_TIMEOUT),
@@ -82,10 +86,21 @@ def test_bad_env_value_is_a_config_error(monkeypatch) -> None:
         parse(RouterConfig, "router", [])
 
 
-@pytest.mark.parametrize(("value", "expected"), [
-    ("true", True), ("TRUE", True), (" Yes ", True), ("1", True), ("on", True),
-    ("false", False), ("False", False), ("NO", False), ("0", False), ("off", False),
-])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("true", True),
+        ("TRUE", True),
+        (" Yes ", True),
+        ("1", True),
+        ("on", True),
+        ("false", False),
+        ("False", False),
+        ("NO", False),
+        ("0", False),
+        ("off", False),
+    ],
+)
 def test_a_boolean_env_value_is_one_of_the_known_words_in_any_case(monkeypatch, value: str, expected: bool) -> None:
     monkeypatch.setenv("TOKENMESH_WORKER_TRITON_TLS", value)
     parser = argparse.ArgumentParser()
@@ -99,8 +114,10 @@ def test_a_boolean_env_value_that_is_no_known_word_is_refused_naming_the_variabl
     monkeypatch.setenv("TOKENMESH_WORKER_TRITON_TLS", value)
     with pytest.raises(ConfigError) as refused:
         parse(WorkerConfig, "worker", [])
-    assert str(refused.value) == (f"TOKENMESH_WORKER_TRITON_TLS={value!r} is not valid: not a boolean: use one of "
-                                  "true, 1, yes, on, false, 0, no, off (any case)")
+    assert str(refused.value) == (
+        f"TOKENMESH_WORKER_TRITON_TLS={value!r} is not valid: not a boolean: use one of "
+        "true, 1, yes, on, false, 0, no, off (any case)"
+    )
 
 
 def test_the_content_capture_variable_takes_the_same_words_and_refuses_a_typo(monkeypatch) -> None:
@@ -116,11 +133,19 @@ def test_the_content_capture_variable_takes_the_same_words_and_refuses_a_typo(mo
 
 def test_a_router_whose_capture_variable_has_a_typo_exits_2_at_start_naming_it() -> None:
     env = {**os.environ, CAPTURE_ENV: "ture"}
-    done = subprocess.run([sys.executable, "-m", "tokenmesh", "router", "--port", "0", "--workers", "127.0.0.1:1"],
-                          capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenmesh", "router", "--port", "0", "--workers", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith(
-        f"tokenmesh router: error: {CAPTURE_ENV}='ture' is not valid: not a boolean")
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"tokenmesh router: error: {CAPTURE_ENV}='ture' is not valid: not a boolean")
+    )
 
 
 def test_up_takes_its_settings_from_flags_over_tokenmesh_up_variables_over_its_defaults(monkeypatch) -> None:
@@ -134,16 +159,26 @@ def test_up_takes_its_settings_from_flags_over_tokenmesh_up_variables_over_its_d
     monkeypatch.setenv("TOKENMESH_UP_METRICS", "no")
     monkeypatch.setenv("TOKENMESH_UP_TRITON_NICE", "7")
     config = from_namespace(UpConfig, build_parser().parse_args(["up", "--workers", "4", "--port", "0"]))
-    assert (config.workers, config.port, config.gateway_port, config.metrics, config.triton_nice) == (4, 0, None, False,
-                                                                                                      7)
+    assert (config.workers, config.port, config.gateway_port, config.metrics, config.triton_nice) == (
+        4,
+        0,
+        None,
+        False,
+        7,
+    )
     config = from_namespace(UpConfig, build_parser().parse_args(["up", "--gateway-port", "0", "--metrics"]))
     assert (config.gateway_port, config.metrics) == (0, True)  # 0: a free port, as every port setting
 
 
 def _up(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMESH_")}
-    return subprocess.run([sys.executable, "-m", "tokenmesh", "up", *args], capture_output=True, text=True,
-                          timeout=60, env={**clean, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "tokenmesh", "up", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**clean, **env},
+    )
 
 
 def test_up_check_config_prints_the_settings_and_starts_nothing() -> None:
@@ -157,15 +192,26 @@ def test_up_check_config_prints_the_settings_and_starts_nothing() -> None:
     assert "starting" not in done.stderr
 
 
-@pytest.mark.parametrize(("args", "env", "message"), [
-    ((), {"TOKENMESH_UP_WORKERS": "0"}, "tokenmesh up: error: workers must be 1..64, got 0"),
-    (("--model", "synthetic", "--model-repository", "/x"), {},
-     "tokenmesh up: error: give --model or --model-repository, not both"),
-    ((), {"TOKENMESH_UP_METRICS": "ture"}, "tokenmesh: error: TOKENMESH_UP_METRICS='ture' is not valid: not a "
-                                           "boolean: use one of true, 1, yes, on, false, 0, no, off (any case)"),
-])
-def test_up_refuses_invalid_settings_with_exit_2_naming_them(args: tuple[str, ...], env: dict[str, str],
-                                                              message: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        ((), {"TOKENMESH_UP_WORKERS": "0"}, "tokenmesh up: error: workers must be 1..64, got 0"),
+        (
+            ("--model", "synthetic", "--model-repository", "/x"),
+            {},
+            "tokenmesh up: error: give --model or --model-repository, not both",
+        ),
+        (
+            (),
+            {"TOKENMESH_UP_METRICS": "ture"},
+            "tokenmesh: error: TOKENMESH_UP_METRICS='ture' is not valid: not a "
+            "boolean: use one of true, 1, yes, on, false, 0, no, off (any case)",
+        ),
+    ],
+)
+def test_up_refuses_invalid_settings_with_exit_2_naming_them(
+    args: tuple[str, ...], env: dict[str, str], message: str
+) -> None:
     done = _up(*args, "--check-config", **env)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == message
@@ -190,8 +236,15 @@ async def test_every_mesh_error_survives_the_wire_and_comes_back_as_itself() -> 
         stub = health_pb2_grpc.HealthStub(channel)
         assert len({cls.grpc_code for cls in ERRORS}) == len(ERRORS)  # one class per code
         for cls in ERRORS:
-            raised.append(cls(f"what went wrong with {cls.__name__}", reason="SOME_REASON", field="max_tokens",
-                              metadata={"model": "m"}, retry_delay=0.25))
+            raised.append(
+                cls(
+                    f"what went wrong with {cls.__name__}",
+                    reason="SOME_REASON",
+                    field="max_tokens",
+                    metadata={"model": "m"},
+                    retry_delay=0.25,
+                )
+            )
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
             back = from_rpc_error(caught.value)
@@ -202,7 +255,8 @@ async def test_every_mesh_error_survives_the_wire_and_comes_back_as_itself() -> 
             assert back.retry_delay == 0.25 and back.answered
             assert dict(caught.value.trailing_metadata() or ())["retry-after-ms"] == "250"  # for older callers
             assert back.http_status == cls.http_status
-    unknown = from_rpc_error(grpc.aio.AioRpcError(grpc.StatusCode.DATA_LOSS, grpc.aio.Metadata(),
-                                                  grpc.aio.Metadata(), details="bits lost"))
+    unknown = from_rpc_error(
+        grpc.aio.AioRpcError(grpc.StatusCode.DATA_LOSS, grpc.aio.Metadata(), grpc.aio.Metadata(), details="bits lost")
+    )
     assert type(unknown) is Internal and unknown.message == "DATA_LOSS: bits lost"
     assert unknown.domain == "" and not unknown.answered and unknown.reason == "INTERNAL"

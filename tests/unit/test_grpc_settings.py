@@ -40,10 +40,12 @@ print(repr((imported_early, os.environ.get("GRPC_EXPERIMENTS"))), file=sys.stder
 """
 
 
-@pytest.mark.parametrize(("given", "expected"), [(None, GRPC_EXPERIMENTS), ("", ""),
-                                                 ("-event_engine_listener", "-event_engine_listener")])
+@pytest.mark.parametrize(
+    ("given", "expected"), [(None, GRPC_EXPERIMENTS), ("", ""), ("-event_engine_listener", "-event_engine_listener")]
+)
 def test_the_command_sets_the_default_before_grpc_is_imported_and_a_given_value_wins(
-        given: str | None, expected: str) -> None:
+    given: str | None, expected: str
+) -> None:
     env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
     if given is not None:
         env["GRPC_EXPERIMENTS"] = given

@@ -59,8 +59,9 @@ async def test_watch_of_an_unknown_name_streams_service_unknown_stays_open_then_
         assert (await asyncio.wait_for(pending, 5)).status == NOT_SERVING
         await servicer.set("tokenmesh.v1.Later", SERVING)
         assert (await asyncio.wait_for(call.read(), 5)).status == SERVING
-        assert (await stub.Check(health_pb2.HealthCheckRequest(service="tokenmesh.v1.Later"), timeout=2)).status \
-            == SERVING
+        assert (
+            await stub.Check(health_pb2.HealthCheckRequest(service="tokenmesh.v1.Later"), timeout=2)
+        ).status == SERVING
         call.cancel()
     assert call.cancelled()
 

@@ -33,8 +33,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 async def _health(address: str, name: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
-        response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=name),
-                                                                   timeout=2)
+        response = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=name), timeout=2
+        )
         return int(response.status)
 
 
@@ -73,7 +74,8 @@ async def bare_server() -> AsyncIterator[tuple[str, _Counter]]:
 
 
 async def test_a_dying_background_loop_takes_the_service_to_not_serving_and_a_non_zero_exit(
-    mesh: InProcessMesh, monkeypatch: pytest.MonkeyPatch,
+    mesh: InProcessMesh,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     addresses = tuple(w.host.address for w in mesh.workers)
     pushed = asyncio.Event()
@@ -101,7 +103,8 @@ async def test_a_dying_background_loop_takes_the_service_to_not_serving_and_a_no
 
 
 async def test_a_prober_pointed_at_an_unimplemented_service_fails_loudly_instead_of_spinning(
-    bare_server: tuple[str, _Counter], caplog: pytest.LogCaptureFixture,
+    bare_server: tuple[str, _Counter],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     address, counter = bare_server
     prober = Prober(ProberConfig(port=0, workers=(address,), routers=(address,), interval_s=0.05))
@@ -147,10 +150,14 @@ async def test_repeated_unavailable_is_a_warning_naming_the_address_and_the_prob
     with caplog.at_level(logging.WARNING):
         await prober.start()
         try:
-            await wait_until(lambda: any(router in r.getMessage() for r in caplog.records
-                                         if r.levelno == logging.WARNING), timeout=15)
-            await wait_until(lambda: any(worker in r.getMessage() for r in caplog.records
-                                         if r.levelno == logging.WARNING), timeout=15)
+            await wait_until(
+                lambda: any(router in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING),
+                timeout=15,
+            )
+            await wait_until(
+                lambda: any(worker in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING),
+                timeout=15,
+            )
             assert prober.failure is None
             assert prober.host.health.status("readiness") == SERVING
         finally:
@@ -233,12 +240,18 @@ def test_a_taken_port_is_a_one_line_error_and_exit_code_1() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "tokenmesh", "router", "--port", str(port), "--workers", "w:1"],
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "tokenmesh", "router", "--port", str(port), "--workers", "w:1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
-    assert last == (f"tokenmesh router: error: cannot listen on 127.0.0.1:{port} (in use or not permitted); "
-                    "choose another --port (0 picks a free one)")
+    assert last == (
+        f"tokenmesh router: error: cannot listen on 127.0.0.1:{port} (in use or not permitted); "
+        "choose another --port (0 picks a free one)"
+    )
     assert "Traceback" not in done.stderr
 
 
@@ -270,7 +283,8 @@ class _Loops(Lifecycle):
 
 
 async def test_async_with_cancels_its_body_and_raises_the_failure_of_a_task_that_died(
-    mesh: InProcessMesh, monkeypatch: pytest.MonkeyPatch,
+    mesh: InProcessMesh,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pushed = asyncio.Event()
 
@@ -279,8 +293,14 @@ async def test_async_with_cancels_its_body_and_raises_the_failure_of_a_task_that
         raise RuntimeError("push loop bug")
 
     monkeypatch.setattr(Prober, "_push", broken_push)
-    prober = Prober(ProberConfig(port=0, workers=tuple(w.host.address for w in mesh.workers),
-                                 routers=(mesh.router.host.address,), interval_s=0.05))
+    prober = Prober(
+        ProberConfig(
+            port=0,
+            workers=tuple(w.host.address for w in mesh.workers),
+            routers=(mesh.router.host.address,),
+            interval_s=0.05,
+        )
+    )
     reached = False
     with pytest.raises(RuntimeError, match="push loop bug"):
         async with prober:
@@ -330,12 +350,17 @@ async def test_a_task_that_dies_while_the_service_starts_fails_the_start() -> No
 
 
 def _gateway_tls(folder: Path) -> dict[str, str]:
-    return {"tls_mode": "tls", "tls_cert": str(folder / "gateway.crt"), "tls_key": str(folder / "gateway.key"),
-            "tls_ca": str(folder / "ca.crt")}
+    return {
+        "tls_mode": "tls",
+        "tls_cert": str(folder / "gateway.crt"),
+        "tls_key": str(folder / "gateway.key"),
+        "tls_ca": str(folder / "ca.crt"),
+    }
 
 
 async def test_a_dying_certificate_task_stops_the_gateway_with_exit_code_1(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from tokenmesh import tls
     from tokenmesh.certs import make_dev_certs

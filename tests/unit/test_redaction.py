@@ -12,9 +12,13 @@ VALUES = {
     "CARD": ["4111 1111 1111 1111", "5500-0000-0000-0004", "378282246310005"],
     "IBAN": ["DE89 3704 0044 0532 0130 00", "GB82WEST12345698765432"],
     "IP": ["192.168.10.254", "2001:0db8:85a3:0000:0000:8a2e:0370:7334", "fe80::1ff:fe23:4567:890a"],
-    "SECRET": ["sk-proj-4fG7hK2mN9pQ3rS6tV8wX1yZ", "ghp_A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8",
-               "AKIAIOSFODNN7EXAMPLE", "xoxb-123456789012-abcdefABCDEF",
-               "d8e8fca2dc0f896fd7cb4cb0031ba249Q7"],
+    "SECRET": [
+        "sk-proj-4fG7hK2mN9pQ3rS6tV8wX1yZ",
+        "ghp_A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8",
+        "AKIAIOSFODNN7EXAMPLE",
+        "xoxb-123456789012-abcdefABCDEF",
+        "d8e8fca2dc0f896fd7cb4cb0031ba249Q7",
+    ],
 }
 PLAIN = [
     "The capital of France is Paris.",
@@ -37,7 +41,7 @@ def test_each_value_is_replaced_whole_and_anywhere_split(kind: str, value: str) 
         assert value not in first + second + rest
         assert first + second + rest == f"Contact: <{kind}> please.", cut
         for part in (first, second):  # nothing released before it was decided: no piece of the value leaks
-            assert not (len(value) > 4 and any(value[i:i + 5] in part for i in range(len(value) - 4)))
+            assert not (len(value) > 4 and any(value[i : i + 5] in part for i in range(len(value) - 4)))
 
 
 @pytest.mark.parametrize("text", PLAIN)

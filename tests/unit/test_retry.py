@@ -36,8 +36,14 @@ def test_which_failures_are_transient() -> None:
     assert is_transient(_error(grpc.StatusCode.RESOURCE_EXHAUSTED, _hint(0.02)))
     assert is_transient(TimeoutError())
     assert is_transient(StreamEnded("health stream ended"))
-    for code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED,
-                 grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED):
+    for code in (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    ):
         assert not is_transient(_error(code)), code
     assert not is_transient(KeyError("a bug"))
 
@@ -82,8 +88,11 @@ async def test_a_permanent_code_from_a_real_server_fails_at_once_and_loudly(capl
         await server.stop(0)
     assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert calls == 1
-    assert any(f"127.0.0.1:{port}" in r.message and "UNIMPLEMENTED" in r.message for r in caplog.records
-               if r.levelno == logging.ERROR)
+    assert any(
+        f"127.0.0.1:{port}" in r.message and "UNIMPLEMENTED" in r.message
+        for r in caplog.records
+        if r.levelno == logging.ERROR
+    )
 
 
 async def test_repeated_unavailable_warns_naming_the_address_then_gives_up_at_the_deadline(
@@ -101,8 +110,9 @@ async def test_repeated_unavailable_warns_naming_the_address_then_gives_up_at_th
 
         started = time.monotonic()
         with caplog.at_level(logging.WARNING), pytest.raises(grpc.aio.AioRpcError) as raised:
-            await Reconnect("health check", address, Backoff(initial_s=0.01, max_s=0.05, deadline_s=1.0,
-                                                             warn_after=3)).run(attempt)
+            await Reconnect(
+                "health check", address, Backoff(initial_s=0.01, max_s=0.05, deadline_s=1.0, warn_after=3)
+            ).run(attempt)
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     # Bounded by the deadline (1 s) plus one attempt and one wait; generous for a loaded 2-core machine.
     assert time.monotonic() - started < 5
@@ -140,8 +150,13 @@ async def test_a_write_after_the_peer_ended_the_stream_raises_its_status() -> No
         await context.abort(grpc.StatusCode.UNAVAILABLE, "worker going away")
 
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "test.Echo", {"Talk": grpc.stream_stream_rpc_method_handler(ends_at_once)})])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "test.Echo", {"Talk": grpc.stream_stream_rpc_method_handler(ends_at_once)}
+            )
+        ]
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

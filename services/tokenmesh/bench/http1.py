@@ -126,25 +126,33 @@ class Http1Client:
         self._ssl = ssl.create_default_context() if url.scheme == "https" else None
         self._prefix = url.path.rstrip("/")
         host = f"[{self._host}]" if ":" in self._host else self._host
-        lines = [f"Host: {host}:{self._port}", "User-Agent: tokenmesh-bench", *(f"{k}: {v}" for k, v in
-                                                                              (headers or {}).items())]
+        lines = [
+            f"Host: {host}:{self._port}",
+            "User-Agent: tokenmesh-bench",
+            *(f"{k}: {v}" for k, v in (headers or {}).items()),
+        ]
         self._fixed = "".join(f"{line}\r\n" for line in lines).encode("latin-1")
         self._idle = []
         self.connect_timeout_s = connect_timeout_s
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
-            return await asyncio.wait_for(asyncio.open_connection(self._host, self._port, ssl=self._ssl),
-                                          self.connect_timeout_s)
+            return await asyncio.wait_for(
+                asyncio.open_connection(self._host, self._port, ssl=self._ssl), self.connect_timeout_s
+            )
         except (OSError, TimeoutError) as exc:
             raise Http1Error(f"cannot connect to {self._host}:{self._port}: {exc!r}") from None
 
     @contextlib.asynccontextmanager
-    async def request(self, method: str, path: str, body: bytes = b"",
-                      content_type: str = "application/json") -> AsyncIterator[Response]:
+    async def request(
+        self, method: str, path: str, body: bytes = b"", content_type: str = "application/json"
+    ) -> AsyncIterator[Response]:
         """Send one request; the response once its headers arrived (its body read inside the block)."""
-        head = (f"{method} {self._prefix}{path} HTTP/1.1\r\n".encode("latin-1") + self._fixed
-                + f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode("latin-1"))
+        head = (
+            f"{method} {self._prefix}{path} HTTP/1.1\r\n".encode("latin-1")
+            + self._fixed
+            + f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode("latin-1")
+        )
         while True:
             reused = bool(self._idle)
             reader, writer = self._idle.pop() if reused else await self._connect()

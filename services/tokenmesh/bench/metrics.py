@@ -176,8 +176,9 @@ def span(results: Sequence[RequestResult]) -> float:
     return (max(ends) - min(r.sent for r in results)) if results and ends else 0.0
 
 
-def summarize(results: Sequence[RequestResult], slo: dict[str, float] | None = None,
-              duration_s: float | None = None) -> dict[str, Any]:
+def summarize(
+    results: Sequence[RequestResult], slo: dict[str, float] | None = None, duration_s: float | None = None
+) -> dict[str, Any]:
     """The run's figures (see the module docstring for each definition).
 
     duration_s overrides the span of the results (a target measured in

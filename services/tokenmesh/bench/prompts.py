@@ -77,7 +77,7 @@ def read_jsonl(path: str, default_max_tokens: int) -> list[Prompt]:
         except json.JSONDecodeError as exc:
             raise PromptError(f"{where}: not JSON ({exc.msg})") from None
         if not isinstance(item, dict):
-            raise PromptError(f"{where}: expected an object with \"prompt\" or \"messages\"")
+            raise PromptError(f'{where}: expected an object with "prompt" or "messages"')
         max_tokens = item.get("max_tokens", default_max_tokens)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise PromptError(f"{where}: max_tokens must be a positive integer, got {max_tokens!r}")
@@ -85,12 +85,14 @@ def read_jsonl(path: str, default_max_tokens: int) -> list[Prompt]:
             prompts.append(Prompt(text=item["prompt"], max_tokens=max_tokens))
         elif isinstance(item.get("messages"), list) and item["messages"]:
             messages = item["messages"]
-            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in messages):
-                raise PromptError(f"{where}: each message needs string \"role\" and \"content\"")
+            if not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            ):
+                raise PromptError(f'{where}: each message needs string "role" and "content"')
             prompts.append(Prompt(messages=tuple((m["role"], m["content"]) for m in messages), max_tokens=max_tokens))
         else:
-            raise PromptError(f"{where}: needs a non-empty \"prompt\" string or \"messages\" list")
+            raise PromptError(f'{where}: needs a non-empty "prompt" string or "messages" list')
     if not prompts:
         raise PromptError(f"{path} holds no prompts")
     return prompts

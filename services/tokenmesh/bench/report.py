@@ -50,8 +50,9 @@ def table(name: str, summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def block_overheads_ms(mesh: Sequence[Sequence[RequestResult]],
-                       direct: Sequence[Sequence[RequestResult]]) -> list[float]:
+def block_overheads_ms(
+    mesh: Sequence[Sequence[RequestResult]], direct: Sequence[Sequence[RequestResult]]
+) -> list[float]:
     """Per --compare block: mesh TTFT p50 minus direct TTFT p50, in ms (blocks where both have one)."""
     out = []
     for m, d in zip(mesh, direct, strict=False):
@@ -62,9 +63,12 @@ def block_overheads_ms(mesh: Sequence[Sequence[RequestResult]],
     return out
 
 
-def ratios(mesh: Mapping[str, Any], direct: Mapping[str, Any],
-           mesh_blocks: Sequence[Sequence[RequestResult]] = (),
-           direct_blocks: Sequence[Sequence[RequestResult]] = ()) -> dict[str, Any]:
+def ratios(
+    mesh: Mapping[str, Any],
+    direct: Mapping[str, Any],
+    mesh_blocks: Sequence[Sequence[RequestResult]] = (),
+    direct_blocks: Sequence[Sequence[RequestResult]] = (),
+) -> dict[str, Any]:
     """mesh/direct ratios and mesh-minus-direct overheads (ms) of the figures the mesh is judged by.
 
     Besides the overall figures: the TTFT p50 overhead of each block (their
@@ -94,6 +98,7 @@ def ratios(mesh: Mapping[str, Any], direct: Mapping[str, Any],
 
 def ratio_table(values: Mapping[str, Any]) -> str:
     """The comparison as text."""
+
     def show(key: str, unit: str = "") -> str:
         value = values[key]
         return "-" if value is None else f"{value:.3f}{unit}"
@@ -107,11 +112,15 @@ def ratio_table(values: Mapping[str, Any]) -> str:
     by_block = values["ttft_p50_overhead_by_block_ms"]
     if len(by_block) > 1:
         shown = " ".join(f"{v:+.1f}" for v in by_block)
-        lines.append(f"TTFT p50 overhead per block (ms): {shown}  (spread {max(by_block) - min(by_block):.1f} ms: "
-                     "the engine's noise between blocks)")
+        lines.append(
+            f"TTFT p50 overhead per block (ms): {shown}  (spread {max(by_block) - min(by_block):.1f} ms: "
+            "the engine's noise between blocks)"
+        )
     if values["ttft_added_p50_ms"] is not None:
-        lines.append(f"TTFT added by the mesh, as it reports (ms): p50 {show('ttft_added_p50_ms')}, "
-                     f"p99 {show('ttft_added_p99_ms')}; inside router and worker: p50 {show('ttft_inside_p50_ms')}")
+        lines.append(
+            f"TTFT added by the mesh, as it reports (ms): p50 {show('ttft_added_p50_ms')}, "
+            f"p99 {show('ttft_added_p99_ms')}; inside router and worker: p50 {show('ttft_inside_p50_ms')}"
+        )
     return "\n".join(lines)
 
 

@@ -54,8 +54,10 @@ class Progress:
                 bar = f"[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}"
             else:
                 bar = f"{self.done} requests"
-            sys.stderr.write(f"\r{self.label:>8} {bar}  {self.done / elapsed:6.2f} req/s  "
-                             f"{self.tokens / elapsed:8.1f} tok/s  errors {self.errors}")
+            sys.stderr.write(
+                f"\r{self.label:>8} {bar}  {self.done / elapsed:6.2f} req/s  "
+                f"{self.tokens / elapsed:8.1f} tok/s  errors {self.errors}"
+            )
             sys.stderr.flush()
 
     def close(self) -> None:
@@ -95,6 +97,7 @@ async def drive(
         on_done(result)
 
     if load.request_rate is None:
+
         async def loop() -> None:
             while (prompt := next_prompt()) is not None:
                 finished(await _one(target, prompt))

@@ -61,8 +61,15 @@ class MeshTarget(Target):
 
     name = "mesh"
 
-    def __init__(self, addr: str, model: str = "", *, ignore_eos: bool = True, seed: int | None = 0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        addr: str,
+        model: str = "",
+        *,
+        ignore_eos: bool = True,
+        seed: int | None = 0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.addr = addr
         self.model = model
         self.ignore_eos = ignore_eos
@@ -78,8 +85,11 @@ class MeshTarget(Target):
         except ValueError as exc:
             raise TargetError(f"--addr: {exc}") from exc
         first = self.addr.split(",")[0].strip()  # the routing table's router
-        self._channel = (grpc.aio.insecure_channel(first) if self.credentials is None
-                         else grpc.aio.secure_channel(first, self.credentials))
+        self._channel = (
+            grpc.aio.insecure_channel(first)
+            if self.credentials is None
+            else grpc.aio.secure_channel(first, self.credentials)
+        )
         try:
             listed = await self._client.list_models(timeout=CONNECT_TIMEOUT_S)
         except MeshError as exc:
@@ -98,15 +108,16 @@ class MeshTarget(Target):
         assert self._channel is not None
         try:
             table = await router_pb2_grpc.RouterStub(self._channel).GetRoutingTable(
-                router_pb2.GetRoutingTableRequest(), timeout=CONNECT_TIMEOUT_S)
+                router_pb2.GetRoutingTableRequest(), timeout=CONNECT_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as exc:
             error = from_rpc_error(exc)
-            raise TargetError(f"cannot read the routing table at {self.addr}: {error.grpc_code.name}: "
-                              f"{error.message}") from exc
+            raise TargetError(
+                f"cannot read the routing table at {self.addr}: {error.grpc_code.name}: {error.message}"
+            ) from exc
         urls = [w.triton_url for w in table.workers if w.triton_url and w.state == router_pb2.WORKER_STATE_SERVING]
         if not urls:
-            raise TargetError(f"the router at {self.addr} lists no SERVING worker with a Triton URL; "
-                              "give --triton-url")
+            raise TargetError(f"the router at {self.addr} lists no SERVING worker with a Triton URL; give --triton-url")
         return urls
 
     async def close(self) -> None:
@@ -120,7 +131,8 @@ class MeshTarget(Target):
         """Stream one generation; a seq that skips ends it as SEQ_GAP (the client drops repeats of a replay)."""
         assert self._client is not None
         request = inference_pb2.GenerateRequest(
-            model=self.model, prompt=prompt.text, max_tokens=prompt.max_tokens, ignore_eos=self.ignore_eos)
+            model=self.model, prompt=prompt.text, max_tokens=prompt.max_tokens, ignore_eos=self.ignore_eos
+        )
         for role, content in prompt.messages:
             request.messages.add(role=role, content=content)
         if self.seed is not None:
@@ -217,8 +229,11 @@ class TritonTarget(Target):
             sampling["seed"] = self.seed
         stream = InferInput("stream", [1], "BOOL")
         stream.set_data_from_numpy(np.array([True], dtype=bool))
-        inputs = [_bytes_input("text_input", prompt.text), stream, _bytes_input("sampling_parameters",
-                                                                                  json.dumps(sampling))]
+        inputs = [
+            _bytes_input("text_input", prompt.text),
+            stream,
+            _bytes_input("sampling_parameters", json.dumps(sampling)),
+        ]
         if prompt.messages:
             inputs.append(_bytes_input("messages", json.dumps([{"role": r, "content": c} for r, c in prompt.messages])))
 
@@ -276,8 +291,9 @@ class OpenAITarget(Target):
 
     name = "openai"
 
-    def __init__(self, url: str, model: str = "", *, api_key: str = "", ignore_eos: bool = True,
-                 seed: int | None = 0) -> None:
+    def __init__(
+        self, url: str, model: str = "", *, api_key: str = "", ignore_eos: bool = True, seed: int | None = 0
+    ) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.ignore_eos = ignore_eos
@@ -315,8 +331,12 @@ class OpenAITarget(Target):
     async def run(self, prompt: Prompt, result: RequestResult) -> None:
         """Stream one request, timing each event with text."""
         assert self._http is not None
-        body: dict[str, Any] = {"model": self.model, "max_tokens": prompt.max_tokens, "stream": True,
-                                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": prompt.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
         if prompt.messages:
             path = "/chat/completions"
             body["messages"] = [{"role": r, "content": c} for r, c in prompt.messages]

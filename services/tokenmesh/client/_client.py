@@ -43,9 +43,14 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-BROKEN_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-})
+BROKEN_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    }
+)
 """Codes a stream ends with when the router or the connection went away mid-stream (a killed router's stream
 ends UNAVAILABLE, a reset one CANCELLED or INTERNAL "RST_STREAM"): resumed, not raised."""
 
@@ -193,7 +198,10 @@ class Client:
     # -- calls --------------------------------------------------------------
 
     def generate(
-        self, request: inference_pb2.GenerateRequest, *, timeout: float | None = None,
+        self,
+        request: inference_pb2.GenerateRequest,
+        *,
+        timeout: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
     ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
         """Stream a generation's chunks, seq 1, 2, 3... each exactly once, across router failures.
@@ -205,16 +213,22 @@ class Client:
         """
         chosen = bool(request.request_id)
         # The iterator is _follow's own (no generator around it: one less frame per chunk).
-        return self._follow(request if chosen else _with_id(request), None, timeout, metadata,
-                            cancel_unfinished=not chosen)
+        return self._follow(
+            request if chosen else _with_id(request), None, timeout, metadata, cancel_unfinished=not chosen
+        )
 
     def resume(
-        self, request_id: str, after_seq: int = 0, *, timeout: float | None = None,
+        self,
+        request_id: str,
+        after_seq: int = 0,
+        *,
+        timeout: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
     ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
         """Chunks of a generation after after_seq (replayed, then live), across router failures."""
-        return self._follow(None, inference_pb2.ResumeRequest(request_id=request_id, after_seq=after_seq),
-                            timeout, metadata)
+        return self._follow(
+            None, inference_pb2.ResumeRequest(request_id=request_id, after_seq=after_seq), timeout, metadata
+        )
 
     async def _follow(
         self,
@@ -277,8 +291,14 @@ class Client:
                 self._cancel_later(request_id)
 
     def _open(
-        self, address: str, request_id: str, request: inference_pb2.GenerateRequest | None, last: int,
-        end: float | None, timeout: float | None, metadata: Sequence[tuple[str, str]],
+        self,
+        address: str,
+        request_id: str,
+        request: inference_pb2.GenerateRequest | None,
+        last: int,
+        end: float | None,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str]],
     ) -> grpc.aio.UnaryStreamCall[Any, inference_pb2.GenerateChunk]:
         """Generate (request given), else Resume after last, on address within what is left of the timeout."""
         remaining = None if end is None else end - time.monotonic()
@@ -294,8 +314,14 @@ class Client:
         return call
 
     async def _again(
-        self, policy: Reconnect, broken: grpc.aio.AioRpcError | None, resumes: int, request_id: str, address: str,
-        last: int, resuming: bool,
+        self,
+        policy: Reconnect,
+        broken: grpc.aio.AioRpcError | None,
+        resumes: int,
+        request_id: str,
+        address: str,
+        last: int,
+        resuming: bool,
     ) -> None:
         """Wait before the next attempt under the policy; raise the mesh's error once it gives up."""
         remaining = policy.remaining_s()
@@ -303,15 +329,22 @@ class Client:
             failure = broken if broken is not None else StreamEnded(f"router {address} ended the stream early")
             if resumes > self.max_resumes or (remaining is not None and remaining <= 0):
                 raise failure
-            log.info("generation %s: router %s failed after seq %d (%s); %s on another router", request_id, address,
-                     last, describe(broken) if broken else "stream ended early", "resuming" if resuming else "retrying")
+            log.info(
+                "generation %s: router %s failed after seq %d (%s); %s on another router",
+                request_id,
+                address,
+                last,
+                describe(broken) if broken else "stream ended early",
+                "resuming" if resuming else "retrying",
+            )
             # What may be tried again was decided by _after_break; the policy gives the wait and the deadline.
             await policy.failed(failure, retry_on=lambda _: True)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from exc
         except StreamEnded:
-            raise Unavailable(f"generation {request_id}: router {address} ended the stream without a final "
-                              "chunk, too often") from None
+            raise Unavailable(
+                f"generation {request_id}: router {address} ended the stream without a final chunk, too often"
+            ) from None
         await self._rediscover(policy.failures)
 
     def _cancel_later(self, request_id: str) -> None:
@@ -327,14 +360,16 @@ class Client:
 
     async def cancel(self, request_id: str, *, timeout: float = 5.0) -> inference_pb2.CancelResponse:
         """Stop a generation wherever it runs (any router finds it)."""
-        response: inference_pb2.CancelResponse = await self._unary("Cancel", inference_pb2.CancelRequest(
-            request_id=request_id), timeout)
+        response: inference_pb2.CancelResponse = await self._unary(
+            "Cancel", inference_pb2.CancelRequest(request_id=request_id), timeout
+        )
         return response
 
     async def list_models(self, *, timeout: float = 5.0) -> inference_pb2.ListModelsResponse:
         """The models the mesh serves."""
-        response: inference_pb2.ListModelsResponse = await self._unary("ListModels",
-                                                                       inference_pb2.ListModelsRequest(), timeout)
+        response: inference_pb2.ListModelsResponse = await self._unary(
+            "ListModels", inference_pb2.ListModelsRequest(), timeout
+        )
         return response
 
     async def _unary(self, method: str, request: Any, timeout: float) -> Any:
@@ -344,8 +379,9 @@ class Client:
         while True:
             address = await self._next_router(avoid=address)
             try:
-                return await getattr(self._stub(address), method)(request,
-                                                                  timeout=max(0.001, policy.remaining_s() or 0.0))
+                return await getattr(self._stub(address), method)(
+                    request, timeout=max(0.001, policy.remaining_s() or 0.0)
+                )
             except grpc.aio.AioRpcError as exc:
                 try:
                     await policy.failed(exc)
@@ -371,7 +407,10 @@ def _after_break(exc: grpc.aio.AioRpcError, resuming: bool, last: int) -> bool:
     """
     code = exc.code()
     started_maybe = code in BROKEN_CODES
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED or not (started_maybe or is_transient(exc)) or (
-            last and from_rpc_error(exc).answered):
+    if (
+        code == grpc.StatusCode.DEADLINE_EXCEEDED
+        or not (started_maybe or is_transient(exc))
+        or (last and from_rpc_error(exc).answered)
+    ):
         raise from_rpc_error(exc) from exc
     return resuming or started_maybe

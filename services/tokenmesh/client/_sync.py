@@ -47,13 +47,15 @@ class SyncClient:
         """Chunks of a generation, as :meth:`Client.generate` yields them."""
         return self._iterate(self._client.generate(request, timeout=timeout))
 
-    def resume(self, request_id: str, after_seq: int = 0, *,
-               timeout: float | None = None) -> Iterator[inference_pb2.GenerateChunk]:
+    def resume(
+        self, request_id: str, after_seq: int = 0, *, timeout: float | None = None
+    ) -> Iterator[inference_pb2.GenerateChunk]:
         """Chunks after after_seq, as :meth:`Client.resume` yields them."""
         return self._iterate(self._client.resume(request_id, after_seq, timeout=timeout))
 
-    def _iterate(self, stream: AsyncGenerator[inference_pb2.GenerateChunk, None]) -> Iterator[
-            inference_pb2.GenerateChunk]:
+    def _iterate(
+        self, stream: AsyncGenerator[inference_pb2.GenerateChunk, None]
+    ) -> Iterator[inference_pb2.GenerateChunk]:
         """The async generator's chunks, one loop round trip each."""
         try:
             while True:

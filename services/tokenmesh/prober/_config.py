@@ -13,16 +13,29 @@ class ProberConfig(ServerSettings, TlsSettings):
     """Settings of the prober (flags ``--name``, env ``TOKENMESH_PROBER_NAME``)."""
 
     port: int = setting(50071, "gRPC port (health and reflection only); 0 picks a free one")
-    workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated (with --discovery dns: "
-                                           "DNS names host:port, e.g. a headless Service's)", parse=csv)
-    routers: tuple[str, ...] = setting((), "router addresses host:port to push weights to, comma-separated (with "
-                                           "--discovery dns: DNS names, e.g. the routers' headless Service)",
-                                       parse=csv)
-    discovery: str = setting("static", "where workers and routers come from: static (the lists as given) or dns "
-                                       "(the addresses behind the names, re-resolved every --discovery-interval-s)")
+    workers: tuple[str, ...] = setting(
+        (),
+        "worker addresses host:port, comma-separated (with --discovery dns: "
+        "DNS names host:port, e.g. a headless Service's)",
+        parse=csv,
+    )
+    routers: tuple[str, ...] = setting(
+        (),
+        "router addresses host:port to push weights to, comma-separated (with "
+        "--discovery dns: DNS names, e.g. the routers' headless Service)",
+        parse=csv,
+    )
+    discovery: str = setting(
+        "static",
+        "where workers and routers come from: static (the lists as given) or dns "
+        "(the addresses behind the names, re-resolved every --discovery-interval-s)",
+    )
     discovery_interval_s: float = setting(5.0, "with --discovery dns: seconds between lookups of the names")
-    discovery_dns_server: str = setting("", "with --discovery dns: the DNS server ip:port to ask; empty = the "
-                                            "system's (/etc/resolv.conf, with its search domains)")
+    discovery_dns_server: str = setting(
+        "",
+        "with --discovery dns: the DNS server ip:port to ask; empty = the "
+        "system's (/etc/resolv.conf, with its search domains)",
+    )
     # 0.5 s, not faster: routers place by their own in-flight counts, so the
     # table need not follow every generation; each ping costs the worker and
     # the prober CPU that, on a small machine, the engine loses (10 pings/s
@@ -45,7 +58,6 @@ class ProberConfig(ServerSettings, TlsSettings):
         for address in (*self.workers, *self.routers):
             problem = address_error(address)
             check(not problem, f"address {address!r}: {problem}")
-        check(self.discovery in ("static", "dns"),
-              f"discovery must be static or dns, got {self.discovery!r}")
+        check(self.discovery in ("static", "dns"), f"discovery must be static or dns, got {self.discovery!r}")
         check_discovery(self.discovery_interval_s, self.discovery_dns_server)
         self.check_tls()

@@ -32,11 +32,16 @@ class ProberMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.tables = Counter("tokenmesh_prober_weight_tables_total", "Weight tables decided (each a new version)",
-                              registry=self.registry)
+        self.tables = Counter(
+            "tokenmesh_prober_weight_tables_total", "Weight tables decided (each a new version)", registry=self.registry
+        )
 
-    def watch(self, table: Callable[[], router_pb2.WeightTable], views: Mapping[str, WorkerView],
-              routers: Mapping[str, PushState]) -> None:
+    def watch(
+        self,
+        table: Callable[[], router_pb2.WeightTable],
+        views: Mapping[str, WorkerView],
+        routers: Mapping[str, PushState],
+    ) -> None:
         """Report the workers, the table and the routers' acks at every scrape.
 
         Args:
@@ -51,33 +56,43 @@ class ProberMetrics:
 class _ProberCollector(Collector):
     """The prober's state, read when Prometheus scrapes (the parts it reads, not the prober: no import back)."""
 
-    def __init__(self, table: Callable[[], router_pb2.WeightTable], views: Mapping[str, WorkerView],
-                 routers: Mapping[str, PushState]) -> None:
+    def __init__(
+        self,
+        table: Callable[[], router_pb2.WeightTable],
+        views: Mapping[str, WorkerView],
+        routers: Mapping[str, PushState],
+    ) -> None:
         self._table = table
         self._views = views
         self._routers = routers
 
     def collect(self) -> Iterator[Metric]:
         table = self._table()
-        weight = GaugeMetricFamily("tokenmesh_prober_worker_weight", "Weight in the table decided last",
-                                   labels=["worker"])
+        weight = GaugeMetricFamily(
+            "tokenmesh_prober_worker_weight", "Weight in the table decided last", labels=["worker"]
+        )
         for w in table.workers:
             weight.add_metric([w.address], w.weight)
-        up = GaugeMetricFamily("tokenmesh_prober_worker_up", "1 while the worker is reachable and SERVING",
-                               labels=["worker"])
-        rtt = GaugeMetricFamily("tokenmesh_prober_probe_rtt_seconds", "Round trip of the last stats ping",
-                                labels=["worker"])
+        up = GaugeMetricFamily(
+            "tokenmesh_prober_worker_up", "1 while the worker is reachable and SERVING", labels=["worker"]
+        )
+        rtt = GaugeMetricFamily(
+            "tokenmesh_prober_probe_rtt_seconds", "Round trip of the last stats ping", labels=["worker"]
+        )
         for address, view in sorted(self._views.items()):
             up.add_metric([address], 1.0 if view.reachable and view.serving else 0.0)
             if view.rtt_s is not None:
                 rtt.add_metric([address], view.rtt_s)
-        acked = GaugeMetricFamily("tokenmesh_prober_router_acked_version", "Latest table version the router acked",
-                                  labels=["router"])
-        connected = GaugeMetricFamily("tokenmesh_prober_router_connected", "1 while the weight push stream is open",
-                                      labels=["router"])
+        acked = GaugeMetricFamily(
+            "tokenmesh_prober_router_acked_version", "Latest table version the router acked", labels=["router"]
+        )
+        connected = GaugeMetricFamily(
+            "tokenmesh_prober_router_connected", "1 while the weight push stream is open", labels=["router"]
+        )
         for address, link in sorted(self._routers.items()):
             acked.add_metric([address], link.acked_version)
             connected.add_metric([address], 1.0 if link.connected else 0.0)
         yield from (weight, up, rtt, acked, connected)
-        yield GaugeMetricFamily("tokenmesh_prober_weight_table_version", "Version of the table decided last",
-                                value=table.version)
+        yield GaugeMetricFamily(
+            "tokenmesh_prober_weight_table_version", "Version of the table decided last", value=table.version
+        )

@@ -36,7 +36,6 @@ from tokenmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grp
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class _RouterLink:
     address: str
@@ -81,8 +80,9 @@ class Prober(Service):
     def __init__(self, config: ProberConfig) -> None:
         self.tracing = Tracing("prober")
         self.tls = Tls(config, tracing=self.tracing)
-        host = ServiceHost(config.host, config.port, [], health_port=config.health_port, tls=self.tls,
-                           tracing=self.tracing)
+        host = ServiceHost(
+            config.host, config.port, [], health_port=config.health_port, tls=self.tls, tracing=self.tracing
+        )
         super().__init__(host, drain_grace_s=0, stop_grace_s=config.stop_grace_s)
         self.config = config
         self.views = {}
@@ -106,10 +106,12 @@ class Prober(Service):
         if config.discovery == "dns":
             resolver = DnsResolver(config.discovery_dns_server)
             self._discoveries = [
-                Discovery(config.workers, resolver, self._add_worker, lambda a, _: self._remove("worker", a),
-                          what="worker"),
-                Discovery(config.routers, resolver, self._add_router, lambda a, _: self._remove("router", a),
-                          what="router"),
+                Discovery(
+                    config.workers, resolver, self._add_worker, lambda a, _: self._remove("worker", a), what="worker"
+                ),
+                Discovery(
+                    config.routers, resolver, self._add_router, lambda a, _: self._remove("router", a), what="router"
+                ),
             ]
 
     # -- watching workers ---------------------------------------------------
@@ -299,8 +301,9 @@ class Prober(Service):
     async def _start(self) -> None:
         """Start watching and pushing; ready once the loops run."""
         if self.config.metrics_port:
-            self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, self.config.host,
-                                                    self.config.metrics_port, "prober")
+            self.metrics_endpoint = MetricsEndpoint(
+                self.metrics.registry, self.config.host, self.config.metrics_port, "prober"
+            )
         if self._discoveries:
             # Names that do not resolve yet are retried every interval, never fatal.
             await asyncio.gather(*(d.refresh() for d in self._discoveries))
@@ -314,11 +317,16 @@ class Prober(Service):
         self.spawn(self._recompute(), "recompute")
         if self.tls.on:
             # Each view keeps what it knows meanwhile: no table loses a worker while its loops start again.
-            self.spawn(follow_renewals(self.tls.renewals(), self.worker_links, self.router_links),
-                       "certificate renewals")
+            self.spawn(
+                follow_renewals(self.tls.renewals(), self.worker_links, self.router_links), "certificate renewals"
+            )
         await self.host.set_ready(True)
-        log.info("prober on %s watching %d workers, pushing to %d routers", self.host.address,
-                 len(self.views), len(self.routers))
+        log.info(
+            "prober on %s watching %d workers, pushing to %d routers",
+            self.host.address,
+            len(self.views),
+            len(self.routers),
+        )
         write_ready_file(self.config.ready_file, address=self.host.address, pid=os.getpid())
 
     async def _close(self) -> None:

@@ -123,7 +123,8 @@ class Admission:
             hint = self._retry_hint_ms()
             raise ResourceExhausted(
                 f"admission queue is full ({len(self.waiting)} waiting); retry in about {hint} ms",
-                reason="QUEUE_FULL", metadata={"model": model, "waiting": str(len(self.waiting))},
+                reason="QUEUE_FULL",
+                metadata={"model": model, "waiting": str(len(self.waiting))},
                 retry_delay=hint / 1000,
             )
         waiter = Waiter(model, key, level, tenant, now, next(self._order))
@@ -137,8 +138,11 @@ class Admission:
     async def _wait(self, waiter: Waiter, wait: float, abandon: asyncio.Future[None] | None) -> WorkerEntry:
         """The slot granted to a queued waiter within wait seconds; Cancelled once abandon is done."""
         try:
-            await asyncio.wait((waiter.granted,) if abandon is None else (waiter.granted, abandon), timeout=wait,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                (waiter.granted,) if abandon is None else (waiter.granted, abandon),
+                timeout=wait,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             if abandon is not None and abandon.done():
                 if waiter.granted.done():  # granted in the same turn: give the slot to the next waiter
                     self.release(waiter.granted.result(), waiter.tenant)
@@ -148,7 +152,8 @@ class Admission:
                 raise ResourceExhausted(
                     f"no worker slot for {waiter.model!r} within {wait:g} s ({len(self.waiting)} waiting); "
                     f"retry in about {hint} ms",
-                    reason="QUEUE_TIMEOUT", metadata={"model": waiter.model, "waited_s": f"{wait:g}"},
+                    reason="QUEUE_TIMEOUT",
+                    metadata={"model": waiter.model, "waited_s": f"{wait:g}"},
                     retry_delay=hint / 1000,
                 )
             return waiter.granted.result()

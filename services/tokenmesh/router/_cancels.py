@@ -99,8 +99,9 @@ class WorkerCancels:
         """
         deadline = asyncio.get_running_loop().time() + timeout_s
         failures: list[str] = []
-        asks = [asyncio.create_task(self._ask(address, request_id, deadline, _ASK_ALL, failures))
-                for address in self._links]
+        asks = [
+            asyncio.create_task(self._ask(address, request_id, deadline, _ASK_ALL, failures)) for address in self._links
+        ]
         try:
             for answer in asyncio.as_completed(asks):
                 if await answer:

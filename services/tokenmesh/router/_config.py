@@ -17,17 +17,31 @@ class RouterConfig(ServerSettings, TlsSettings):
     """Settings of one router (flags ``--name``, env ``TOKENMESH_ROUTER_NAME``)."""
 
     port: int = setting(50051, "gRPC port; 0 picks a free one")
-    workers: tuple[str, ...] = setting((), "worker addresses host:port, comma-separated (with --discovery dns: "
-                                           "DNS names host:port, e.g. a headless Service's)", parse=csv)
-    discovery: str = setting("static", "where workers come from: static (only --workers; a weight table naming "
-                                       "another worker is refused), dns (the addresses behind the --workers names, "
-                                       "re-resolved every --discovery-interval-s; one that goes is drained) or "
-                                       "prober (the prober's tables may add workers)")
+    workers: tuple[str, ...] = setting(
+        (),
+        "worker addresses host:port, comma-separated (with --discovery dns: "
+        "DNS names host:port, e.g. a headless Service's)",
+        parse=csv,
+    )
+    discovery: str = setting(
+        "static",
+        "where workers come from: static (only --workers; a weight table naming "
+        "another worker is refused), dns (the addresses behind the --workers names, "
+        "re-resolved every --discovery-interval-s; one that goes is drained) or "
+        "prober (the prober's tables may add workers)",
+    )
     discovery_interval_s: float = setting(5.0, "with --discovery dns: seconds between lookups of the names")
-    discovery_dns_server: str = setting("", "with --discovery dns: the DNS server ip:port to ask; empty = the "
-                                            "system's (/etc/resolv.conf, with its search domains)")
-    metrics_tenants: tuple[str, ...] = setting((), "tenants (labels['tenant']) that get their own metric label, "
-                                                   "comma-separated; every other tenant counts as 'other'", parse=csv)
+    discovery_dns_server: str = setting(
+        "",
+        "with --discovery dns: the DNS server ip:port to ask; empty = the "
+        "system's (/etc/resolv.conf, with its search domains)",
+    )
+    metrics_tenants: tuple[str, ...] = setting(
+        (),
+        "tenants (labels['tenant']) that get their own metric label, "
+        "comma-separated; every other tenant counts as 'other'",
+        parse=csv,
+    )
     default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset")
     max_prompt_bytes: int = setting(1024 * 1024, "largest prompt (or sum of message contents) accepted, in bytes")
     ttft_timeout_s: float = setting(30.0, "a worker that sends no first chunk within this is failed over")
@@ -35,22 +49,32 @@ class RouterConfig(ServerSettings, TlsSettings):
     max_migrations: int = setting(3, "times one generation may move to (or be retried on) another worker")
     failover_wait_s: float = setting(30.0, "how long a stream whose worker failed waits for another live worker")
     policy: str = setting("prefix", "worker selection: prefix (KV-cache affinity), least-loaded, round-robin")
-    max_streams_per_connection: int = setting(1024, "streams one caller connection may have open at once "
-                                                    "(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); more are refused "
-                                                    "with UNAVAILABLE (never started: retry). Bounds what one "
-                                                    "caller makes the router hold")
+    max_streams_per_connection: int = setting(
+        1024,
+        "streams one caller connection may have open at once "
+        "(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); more are refused "
+        "with UNAVAILABLE (never started: retry). Bounds what one "
+        "caller makes the router hold",
+    )
     max_queue: int = setting(256, "generations that may wait for a worker slot; more get RESOURCE_EXHAUSTED")
     queue_timeout_s: float = setting(30.0, "longest wait for a worker slot before RESOURCE_EXHAUSTED")
     aging_s: float = setting(5.0, "a waiting generation rises one priority level per this many seconds")
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
-    processes: int = setting(1, "router processes sharing the port (SO_REUSEPORT); each worker's limit is "
-                                "split among them and weight tables are passed on to all; with --metrics-port P, "
-                                "process i serves its metrics on P + i")
+    processes: int = setting(
+        1,
+        "router processes sharing the port (SO_REUSEPORT); each worker's limit is "
+        "split among them and weight tables are passed on to all; with --metrics-port P, "
+        "process i serves its metrics on P + i",
+    )
     process_index: int = setting(0, "internal: which of the --processes this one is (the first starts the others)")
     peers_dir: str = setting("", "internal: folder where the processes of one router list their private addresses")
-    tls_allowed_clients: tuple[str, ...] = setting((), "with --tls-mode mtls: the identities (URI SANs, e.g. "
-                                                       "spiffe://tokenmesh/client) that may call Inference, "
-                                                       "comma-separated; empty = any the CA signed", parse=csv)
+    tls_allowed_clients: tuple[str, ...] = setting(
+        (),
+        "with --tls-mode mtls: the identities (URI SANs, e.g. "
+        "spiffe://tokenmesh/client) that may call Inference, "
+        "comma-separated; empty = any the CA signed",
+        parse=csv,
+    )
 
     def __post_init__(self) -> None:
         """Validate ranges."""
@@ -61,23 +85,28 @@ class RouterConfig(ServerSettings, TlsSettings):
         check(self.failover_wait_s >= 0, f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
         check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         check(self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}")
-        check(self.max_streams_per_connection >= 1,
-              f"max_streams_per_connection must be >= 1, got {self.max_streams_per_connection}")
+        check(
+            self.max_streams_per_connection >= 1,
+            f"max_streams_per_connection must be >= 1, got {self.max_streams_per_connection}",
+        )
         check(self.queue_timeout_s > 0, f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
         check(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}")
         check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         check(self.default_max_tokens > 0, f"default_max_tokens must be > 0, got {self.default_max_tokens}")
         check(self.max_prompt_bytes > 0, f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         check(1 <= self.processes <= 64, f"processes must be 1..64, got {self.processes}")
-        check(0 <= self.process_index < self.processes,
-              f"process_index must be 0..{self.processes - 1}, got {self.process_index}")
-        check(self.discovery in DISCOVERY,
-              f"discovery must be one of {', '.join(DISCOVERY)}, got {self.discovery!r}")
+        check(
+            0 <= self.process_index < self.processes,
+            f"process_index must be 0..{self.processes - 1}, got {self.process_index}",
+        )
+        check(self.discovery in DISCOVERY, f"discovery must be one of {', '.join(DISCOVERY)}, got {self.discovery!r}")
         for address in self.workers:
             problem = address_error(address)
             check(not problem, f"worker address {address!r}: {problem}")
         check_discovery(self.discovery_interval_s, self.discovery_dns_server)
         self.check_tls()
-        check(bool(self.workers) or self.discovery == "prober",
-              "give at least one worker (--workers host:port,...), or --discovery prober to learn them from "
-              "the prober's weight tables")
+        check(
+            bool(self.workers) or self.discovery == "prober",
+            "give at least one worker (--workers host:port,...), or --discovery prober to learn them from "
+            "the prober's weight tables",
+        )

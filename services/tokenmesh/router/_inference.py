@@ -134,8 +134,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     return
                 attempts += 1
                 try:
-                    start = start_command(forward, progress, context, resumable=bool(request.request_id),
-                                          trace_context=observe.start_context)
+                    start = start_command(
+                        forward,
+                        progress,
+                        context,
+                        resumable=bool(request.request_id),
+                        trace_context=observe.start_context,
+                    )
                     relay = self._relay.run(entry, start, live, progress, observe.call_context)
                     observe.attempt(entry.address)
                     async with contextlib.aclosing(relay):
@@ -164,8 +169,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             model = validate(request, self._pool, self._config.max_prompt_bytes)
             request_id = request.request_id or uuid.uuid4().hex
             if request_id in self.live:
-                raise AlreadyExists(f"request_id {request_id!r} is live already; use a new id, or Resume it",
-                                    reason="REQUEST_ID_LIVE", field="request_id")
+                raise AlreadyExists(
+                    f"request_id {request_id!r} is live already; use a new id, or Resume it",
+                    reason="REQUEST_ID_LIVE",
+                    field="request_id",
+                )
         except MeshError as error:
             self.metrics.refused(label(error.grpc_code), request.labels.get("tenant", ""))
             raise
@@ -177,11 +185,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             base.max_tokens = min(self._config.default_max_tokens, model.max_context)
         return base
 
-    def _observe(self, base: inference_pb2.GenerateRequest, tenant: str, prefixed: bool,
-                 context: grpc.aio.ServicerContext[Any, Any]) -> Observation:
+    def _observe(
+        self,
+        base: inference_pb2.GenerateRequest,
+        tenant: str,
+        prefixed: bool,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> Observation:
         """The generation's observer (metrics and span); from here on this task's log lines are about it."""
-        span = generation_span(self.tracer, base, context.invocation_metadata(), policy=self._config.policy,
-                               prefixed=prefixed, capture_content=self.capture_content)
+        span = generation_span(
+            self.tracer,
+            base,
+            context.invocation_metadata(),
+            policy=self._config.policy,
+            prefixed=prefixed,
+            capture_content=self.capture_content,
+        )
         logs.about(base.request_id, span)
         return Observation(self.metrics.generation(base.model, tenant), span, capture_content=self.capture_content)
 
@@ -210,12 +229,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             observe.queued(queued_s, base.priority)
         return entry
 
-    def _fail_over(self, entry: WorkerEntry, failure: WorkerFailed, request_id: str, progress: Progress,
-                   attempts: int, observe: Observation) -> None:
+    def _fail_over(
+        self,
+        entry: WorkerEntry,
+        failure: WorkerFailed,
+        request_id: str,
+        progress: Progress,
+        attempts: int,
+        observe: Observation,
+    ) -> None:
         """Take stock of a failed attempt: the worker is avoided a while; Unavailable after too many attempts."""
         self._pool.suspend(entry, self._config.stall_timeout_s, str(failure))
-        observe.worker_failed(entry.address, failure, progress.seq,
-                              migrated=0 < progress.seq and attempts <= self._config.max_migrations)
+        observe.worker_failed(
+            entry.address, failure, progress.seq, migrated=0 < progress.seq and attempts <= self._config.max_migrations
+        )
         if attempts > self._config.max_migrations:
             raise Unavailable(f"generation {request_id} failed on {attempts} workers; last: {failure}") from failure
         if progress.seq == 0:
@@ -223,25 +250,39 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             log.warning("worker %s could not start %s: %s", entry.address, request_id, failure)
             return
         progress.migrations += 1
-        log.warning("worker %s failed %s after seq %d (%s); continuing on another worker",
-                    entry.address, request_id, progress.seq, failure)
+        log.warning(
+            "worker %s failed %s after seq %d (%s); continuing on another worker",
+            entry.address,
+            request_id,
+            progress.seq,
+            failure,
+        )
 
     @staticmethod
-    def _final_here(base: inference_pb2.GenerateRequest, progress: Progress, reason: inference_pb2.FinishReason,
-                    observe: Observation) -> inference_pb2.GenerateChunk:
+    def _final_here(
+        base: inference_pb2.GenerateRequest,
+        progress: Progress,
+        reason: inference_pb2.FinishReason,
+        observe: Observation,
+    ) -> inference_pb2.GenerateChunk:
         """The last chunk of a generation the router ends itself (no worker sent an end), counted."""
         final = inference_pb2.GenerateChunk(
-            request_id=base.request_id, seq=progress.seq + 1, model=base.model, finish_reason=reason,
+            request_id=base.request_id,
+            seq=progress.seq + 1,
+            model=base.model,
+            finish_reason=reason,
             usage=inference_pb2.Usage(completion_tokens=progress.tokens),
-            migrations=progress.migrations, timing=progress.timing,
+            migrations=progress.migrations,
+            timing=progress.timing,
         )
         observe.ended_here(final)
         return final
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
-            raise Unavailable("this router is draining (shutting down); send the call to another router",
-                              reason="ROUTER_DRAINING")
+            raise Unavailable(
+                "this router is draining (shutting down); send the call to another router", reason="ROUTER_DRAINING"
+            )
 
     def _begin(self, request_id: str, *, resumed: bool = False) -> Live:
         """Count a stream of request_id as live on this router."""
@@ -309,9 +350,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._begin(request_id, resumed=True)  # so Generate and Cancel see it is being streamed here
         try:
             for entry in sorted(self._pool.entries.values(), key=lambda e: not e.healthy):
-                call = self._links[entry.address].stub(worker_pb2_grpc.WorkerStub).Attach(
-                    worker_pb2.AttachRequest(request_id=request_id, after_seq=request.after_seq),
-                    timeout=context.time_remaining(),
+                call = (
+                    self._links[entry.address]
+                    .stub(worker_pb2_grpc.WorkerStub)
+                    .Attach(
+                        worker_pb2.AttachRequest(request_id=request_id, after_seq=request.after_seq),
+                        timeout=context.time_remaining(),
+                    )
                 )
                 try:
                     event = await call.read()
@@ -392,7 +437,9 @@ def _not_moved(failure: WorkerFailed | MeshError, worker: str, request_id: str) 
     """A Resume's error for how its attempt ended: a worker failure is reported, not failed over."""
     if isinstance(failure, MeshError):
         return failure
-    error = Unavailable(f"worker {worker} holding {request_id} failed during Resume ({failure}); "
-                        "a resumed stream is not moved to another worker")
+    error = Unavailable(
+        f"worker {worker} holding {request_id} failed during Resume ({failure}); "
+        "a resumed stream is not moved to another worker"
+    )
     error.__cause__ = failure
     return error

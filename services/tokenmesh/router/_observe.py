@@ -57,13 +57,19 @@ def generation_span(
     name = operation(bool(base.messages))
     context = parent(metadata)
     span = tracer.start_span(
-        f"{name} {base.model}", context=context,
+        f"{name} {base.model}",
+        context=context,
         kind=trace.SpanKind.INTERNAL if context is None else trace.SpanKind.SERVER,
         attributes={
-            "gen_ai.operation.name": name, "gen_ai.system": "tokenmesh", "gen_ai.request.model": base.model,
-            "gen_ai.request.max_tokens": base.max_tokens, "gen_ai.response.id": base.request_id,
-            "tokenmesh.policy": policy, "tokenmesh.prefix_affinity": prefixed,
-        })
+            "gen_ai.operation.name": name,
+            "gen_ai.system": "tokenmesh",
+            "gen_ai.request.model": base.model,
+            "gen_ai.request.max_tokens": base.max_tokens,
+            "gen_ai.response.id": base.request_id,
+            "tokenmesh.policy": policy,
+            "tokenmesh.prefix_affinity": prefixed,
+        },
+    )
     if capture_content and span.is_recording():  # opted in: the prompt, redacted
         prompt = base.prompt or "\n".join(f"{m.role}: {m.content}" for m in base.messages)
         span.add_event("gen_ai.user.message", {"gen_ai.prompt": redact(prompt)})
@@ -118,8 +124,9 @@ class Observation:
             if piece.finish_reason:
                 span.add_event("gen_ai.choice", {"gen_ai.completion": "".join(self._output) + self._redactor.flush()})
         if piece.finish_reason:
-            span.set_attribute("gen_ai.response.finish_reasons", [label(piece.finish_reason,
-                                                                        inference_pb2.FinishReason)])
+            span.set_attribute(
+                "gen_ai.response.finish_reasons", [label(piece.finish_reason, inference_pb2.FinishReason)]
+            )
             span.set_attribute("gen_ai.usage.input_tokens", piece.usage.prompt_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", piece.usage.completion_tokens)
 
@@ -137,8 +144,10 @@ class Observation:
 
     def worker_failed(self, worker: str, failure: WorkerFailed, after_seq: int, *, migrated: bool) -> None:
         """An attempt on worker failed after after_seq reached the caller."""
-        self.span.add_event("tokenmesh.worker_failed", {"tokenmesh.worker": worker, "tokenmesh.failure": failure.kind,
-                                                        "tokenmesh.after_seq": after_seq})
+        self.span.add_event(
+            "tokenmesh.worker_failed",
+            {"tokenmesh.worker": worker, "tokenmesh.failure": failure.kind, "tokenmesh.after_seq": after_seq},
+        )
         self.track.worker_failed(worker, failure.kind, migrated=migrated)
 
     def failed(self, error: MeshError, delivered: bool) -> None:

@@ -13,9 +13,13 @@ import grpc
 from tokenmesh.errors import CALLER_ERROR_CLASSES, MeshError, from_generation_error, from_rpc_error, label
 from tokenmesh.v1 import worker_pb2
 
-CALLER_CODES = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED,
-})
+CALLER_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
 """A worker's statuses that are about the request, not the worker: the caller gets them as they are, and the
 stream is not moved to another worker (any other status says the worker failed). RESOURCE_EXHAUSTED joins them
 once the worker has sent an event: then it says the caller reads too slowly (see :func:`outcome`)."""

@@ -105,8 +105,9 @@ class Peers:
         try:
             await waiting(listed)
         except tenacity.RetryError:
-            raise TimeoutError(f"{len(self.addresses()) + 1} of {self.count} router processes started "
-                               f"within {timeout_s:g} s") from None
+            raise TimeoutError(
+                f"{len(self.addresses()) + 1} of {self.count} router processes started within {timeout_s:g} s"
+            ) from None
 
     def forward(self, table: router_pb2.WeightTable) -> None:
         """Pass a table from the prober on to every sibling (the newest wins if they lag)."""

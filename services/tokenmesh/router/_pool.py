@@ -260,21 +260,29 @@ class WorkerPool:
         """The model a request names ('' = default), or NotFound/Unavailable."""
         models = self.models()
         if not models:
-            raise Unavailable("no live worker: every worker is down, starting or draining; retry shortly",
-                              reason="NO_LIVE_WORKER")
+            raise Unavailable(
+                "no live worker: every worker is down, starting or draining; retry shortly", reason="NO_LIVE_WORKER"
+            )
         if not name:
             defaults = [info for info, _ in models.values() if info.is_default]
             return defaults[0] if defaults else next(iter(models.values()))[0]
         if name not in models:
-            raise NotFound(f"unknown model {name!r}; available: {', '.join(sorted(models))}", reason="UNKNOWN_MODEL",
-                           field="model", metadata={"model": name, "available": ",".join(sorted(models))})
+            raise NotFound(
+                f"unknown model {name!r}; available: {', '.join(sorted(models))}",
+                reason="UNKNOWN_MODEL",
+                field="model",
+                metadata={"model": name, "available": ",".join(sorted(models))},
+            )
         return models[name][0]
 
     def require_live(self, model: str) -> None:
         """Raise Unavailable unless some live worker serves model (busy or not)."""
         if not any(model in e.models and self.effective_weight(e) > 0 for e in self.entries.values()):
-            raise Unavailable(f"no live worker serves model {model!r} now; retry shortly", reason="NO_LIVE_WORKER",
-                              metadata={"model": model})
+            raise Unavailable(
+                f"no live worker serves model {model!r} now; retry shortly",
+                reason="NO_LIVE_WORKER",
+                metadata={"model": model},
+            )
 
     def allowance(self, entry: WorkerEntry) -> int:
         """Generations this router process may have open on the worker: its share of the limit.

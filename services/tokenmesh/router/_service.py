@@ -39,8 +39,6 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_p
 log = logging.getLogger(__name__)
 
 
-
-
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Operator API.
 
@@ -166,9 +164,16 @@ class Router(Service):
         ]
         self.tracing = Tracing("router")  # first: the server and every channel take its RPC span interceptors
         self.tls = Tls(config, config.tls_allowed_clients, siblings=config.processes > 1, tracing=self.tracing)
-        host = ServiceHost(config.host, config.port, names, shared_port=config.processes > 1,
-                           health_port=config.health_port, tls=self.tls,
-                           max_streams_per_connection=config.max_streams_per_connection, tracing=self.tracing)
+        host = ServiceHost(
+            config.host,
+            config.port,
+            names,
+            shared_port=config.processes > 1,
+            health_port=config.health_port,
+            tls=self.tls,
+            max_streams_per_connection=config.max_streams_per_connection,
+            tracing=self.tracing,
+        )
         super().__init__(host, drain_grace_s=config.drain_grace_s, stop_grace_s=config.stop_grace_s)
         self.config = config
         self.pool = WorkerPool(policy=config.policy, share=(config.process_index, config.processes))
@@ -195,8 +200,9 @@ class Router(Service):
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool, self.admission), host.server)
         allowed = frozenset(config.workers) if config.discovery == "static" else None
-        control = ControlServicer(self.pool, self._new_workers, allowed, config.discovery == "prober", self.metrics,
-                                  self.peers)
+        control = ControlServicer(
+            self.pool, self._new_workers, allowed, config.discovery == "prober", self.metrics, self.peers
+        )
         router_pb2_grpc.add_ControlServicer_to_server(control, host.server)
         self.discovery = None
         if config.discovery == "dns":
@@ -241,8 +247,9 @@ class Router(Service):
                     if serving:
                         # A worker that does not answer in time is tried again (TimeoutError is transient).
                         described = await asyncio.wait_for(stub.Describe(worker_pb2.DescribeRequest()), 5)
-                    self.pool.set_health(entry, serving, "health SERVING" if serving else "health NOT_SERVING",
-                                         described)
+                    self.pool.set_health(
+                        entry, serving, "health SERVING" if serving else "health NOT_SERVING", described
+                    )
                 raise StreamEnded("health stream ended")
             except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
                 self.pool.set_health(entry, False, f"unreachable: {failure_name(exc)}")
@@ -271,12 +278,16 @@ class Router(Service):
             if self.config.process_index == 0:
                 await self._start_siblings()
         if self.config.metrics_port:  # each process of a --processes router on its own port, one after the other
-            self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, self.config.host,
-                                                    self.config.metrics_port + self.config.process_index, "router")
+            self.metrics_endpoint = MetricsEndpoint(
+                self.metrics.registry, self.config.host, self.config.metrics_port + self.config.process_index, "router"
+            )
         await self.host.set_ready(True)
-        log.info("router%s SERVING on %s with workers %s",
-                 f" process {self.config.process_index + 1}/{self.config.processes}" if self.peers else "",
-                 self.host.address, ", ".join(self.config.workers) or "-")
+        log.info(
+            "router%s SERVING on %s with workers %s",
+            f" process {self.config.process_index + 1}/{self.config.processes}" if self.peers else "",
+            self.host.address,
+            ", ".join(self.config.workers) or "-",
+        )
         write_ready_file(self.config.ready_file, address=self.host.address, pid=os.getpid())
 
     async def _start_siblings(self) -> None:
@@ -291,8 +302,11 @@ class Router(Service):
         env[env_name("router", "ready_file")] = ""
         for index in range(1, self.config.processes):
             env[env_name("router", "process_index")] = str(index)
-            self._siblings.append(subprocess.Popen(  # noqa: S603 - our own interpreter and module
-                dies_with_parent([sys.executable, "-m", "tokenmesh", "router"]), env=env, stdin=subprocess.DEVNULL))
+            self._siblings.append(
+                subprocess.Popen(  # noqa: S603 - our own interpreter and module
+                    dies_with_parent([sys.executable, "-m", "tokenmesh", "router"]), env=env, stdin=subprocess.DEVNULL
+                )
+            )
         try:
             await self.peers.wait_listed(60)
         except TimeoutError as exc:

@@ -15,11 +15,13 @@ def check_table(table: router_pb2.WeightTable, allowed: frozenset[str] | None) -
     for i, worker in enumerate(table.workers):
         entry = f"workers[{i}] ({worker.address!r})"
         if problem := address_error(worker.address):
-            raise InvalidArgument(f"weight table v{table.version} refused: {entry}: address {problem}",
-                                  field=f"workers[{i}].address")
+            raise InvalidArgument(
+                f"weight table v{table.version} refused: {entry}: address {problem}", field=f"workers[{i}].address"
+            )
         if worker.address in seen:
-            raise InvalidArgument(f"weight table v{table.version} refused: {entry} is listed twice",
-                                  field=f"workers[{i}].address")
+            raise InvalidArgument(
+                f"weight table v{table.version} refused: {entry} is listed twice", field=f"workers[{i}].address"
+            )
         seen.add(worker.address)
         if not (math.isfinite(worker.weight) and 0.0 <= worker.weight <= 1.0):
             raise InvalidArgument(
@@ -31,5 +33,6 @@ def check_table(table: router_pb2.WeightTable, allowed: frozenset[str] | None) -
                 f"weight table v{table.version} refused: {entry} is not one of this router's --workers "
                 f"({', '.join(sorted(allowed)) or 'none'}); give it to the router, or run it with --discovery prober "
                 "to let the prober's tables add workers",
-                field=f"workers[{i}].address", reason="WORKER_NOT_ALLOWED",
+                field=f"workers[{i}].address",
+                reason="WORKER_NOT_ALLOWED",
             )

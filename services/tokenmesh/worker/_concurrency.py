@@ -69,8 +69,11 @@ class AdaptiveLimit:
     def sample(self, ttft_ms: float, queued: bool) -> None:
         """Record one generation's TTFT (``queued``: it started with every engine slot busy); baseline only."""
         if not queued:
-            self.baseline_ms = ttft_ms if self.baseline_ms is None else (
-                self.baseline_ms + BASELINE_ALPHA * (ttft_ms - self.baseline_ms))
+            self.baseline_ms = (
+                ttft_ms
+                if self.baseline_ms is None
+                else (self.baseline_ms + BASELINE_ALPHA * (ttft_ms - self.baseline_ms))
+            )
 
     def observe_engine(self, pending: int | None, in_flight: int) -> None:
         """One poll of the engine: ``pending`` requests in its own queue (None: it does not say)."""

@@ -44,21 +44,36 @@ class WorkerMetrics:
     def __init__(self) -> None:
         self.enabled = True
         r = self.registry = CollectorRegistry()
-        self.engine_ttft = Histogram("tokenmesh_worker_engine_time_to_first_token_seconds",
-                                     "From the worker handing a generation to the engine to its first token",
-                                     buckets=TTFT_BUCKETS, registry=r)
-        self.engine_itl = Histogram("tokenmesh_worker_engine_inter_token_latency_seconds",
-                                    "Engine time per token between two responses", buckets=ITL_BUCKETS, registry=r)
-        self.generations = Counter("tokenmesh_worker_generations_total",
-                                   "Generations that ended on this worker, by finish reason or failure class",
-                                   ["outcome"], registry=r)
-        self.failures = Counter("tokenmesh_worker_failures_total", "Generations the backend failed, by class",
-                                ["error_class"], registry=r)
-        self.denied = Counter("tokenmesh_worker_permission_denied_total",
-                              "Calls refused because the peer's mTLS identity may not make them, by RPC group",
-                              ["group"], registry=r)
-        self.output_tokens = Counter("tokenmesh_worker_generation_tokens_total", "Tokens the engine produced",
-                                     registry=r)
+        self.engine_ttft = Histogram(
+            "tokenmesh_worker_engine_time_to_first_token_seconds",
+            "From the worker handing a generation to the engine to its first token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.engine_itl = Histogram(
+            "tokenmesh_worker_engine_inter_token_latency_seconds",
+            "Engine time per token between two responses",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.generations = Counter(
+            "tokenmesh_worker_generations_total",
+            "Generations that ended on this worker, by finish reason or failure class",
+            ["outcome"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "tokenmesh_worker_failures_total", "Generations the backend failed, by class", ["error_class"], registry=r
+        )
+        self.denied = Counter(
+            "tokenmesh_worker_permission_denied_total",
+            "Calls refused because the peer's mTLS identity may not make them, by RPC group",
+            ["group"],
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "tokenmesh_worker_generation_tokens_total", "Tokens the engine produced", registry=r
+        )
 
     def watch(self, state: WorkerState) -> None:
         """Report the worker's state and its engine's queue at every scrape."""
@@ -104,29 +119,43 @@ class _StateCollector(Collector):
         t = s.telemetry
         in_flight = s.in_flight()
         yield GaugeMetricFamily("tokenmesh_worker_in_flight", "Generations running on this worker", value=in_flight)
-        yield GaugeMetricFamily("tokenmesh_worker_concurrency_limit", "The limit the worker reports to routers",
-                                value=s.limits.concurrency_limit(in_flight) if s.has_model() else 0)
-        yield GaugeMetricFamily("tokenmesh_worker_serving", "1 while health is SERVING",
-                                value=1.0 if s.serving() else 0.0)
-        yield GaugeMetricFamily("tokenmesh_worker_held_generations",
-                                "Generations held for Resume (running or finished, within the resume grace)",
-                                value=s.held())
-        yield GaugeMetricFamily("tokenmesh_worker_out_of_memory_total", "Device out-of-memory failures seen",
-                                value=s.limits.oom_total)
-        yield GaugeMetricFamily("tokenmesh_worker_backend_restarts_total", "Times the worker restarted its Triton",
-                                value=s.restarts())
+        yield GaugeMetricFamily(
+            "tokenmesh_worker_concurrency_limit",
+            "The limit the worker reports to routers",
+            value=s.limits.concurrency_limit(in_flight) if s.has_model() else 0,
+        )
+        yield GaugeMetricFamily(
+            "tokenmesh_worker_serving", "1 while health is SERVING", value=1.0 if s.serving() else 0.0
+        )
+        yield GaugeMetricFamily(
+            "tokenmesh_worker_held_generations",
+            "Generations held for Resume (running or finished, within the resume grace)",
+            value=s.held(),
+        )
+        yield GaugeMetricFamily(
+            "tokenmesh_worker_out_of_memory_total", "Device out-of-memory failures seen", value=s.limits.oom_total
+        )
+        yield GaugeMetricFamily(
+            "tokenmesh_worker_backend_restarts_total", "Times the worker restarted its Triton", value=s.restarts()
+        )
         if t.engine_pending is not None:
-            yield GaugeMetricFamily("tokenmesh_worker_triton_pending",
-                                    "Requests waiting in Triton's own scheduler queue (nv_inference_pending_request_"
-                                    "count)", value=t.engine_pending)
+            yield GaugeMetricFamily(
+                "tokenmesh_worker_triton_pending",
+                "Requests waiting in Triton's own scheduler queue (nv_inference_pending_request_count)",
+                value=t.engine_pending,
+            )
         if t.engine_queue_ms is not None:
-            yield GaugeMetricFamily("tokenmesh_worker_triton_queue_seconds",
-                                    "Moving average of the time requests spent in Triton's queue",
-                                    value=t.engine_queue_ms / 1000)
-        used = GaugeMetricFamily("tokenmesh_worker_device_memory_used_bytes", "Device memory in use (NVML)",
-                                 labels=["device"])
-        size = GaugeMetricFamily("tokenmesh_worker_device_memory_total_bytes", "Device memory in all (NVML)",
-                                 labels=["device"])
+            yield GaugeMetricFamily(
+                "tokenmesh_worker_triton_queue_seconds",
+                "Moving average of the time requests spent in Triton's queue",
+                value=t.engine_queue_ms / 1000,
+            )
+        used = GaugeMetricFamily(
+            "tokenmesh_worker_device_memory_used_bytes", "Device memory in use (NVML)", labels=["device"]
+        )
+        size = GaugeMetricFamily(
+            "tokenmesh_worker_device_memory_total_bytes", "Device memory in all (NVML)", labels=["device"]
+        )
         for device in s.limits.device_readings:
             used.add_metric([str(device.index)], device.memory_used_bytes)
             size.add_metric([str(device.index)], device.memory_total_bytes)

@@ -100,8 +100,12 @@ class Record:
         for Resume.
         """
         last = self.events[-1] if self.events and self.total > self.read else None
-        if (last is not None and event.HasField("chunk") and last.HasField("chunk")
-                and last.ByteSize() + event.ByteSize() <= self.max_bytes // MERGED_SHARE):
+        if (
+            last is not None
+            and event.HasField("chunk")
+            and last.HasField("chunk")
+            and last.ByteSize() + event.ByteSize() <= self.max_bytes // MERGED_SHARE
+        ):
             self.bytes -= last.ByteSize()
             last.chunk.text += event.chunk.text
             last.chunk.token_count += event.chunk.token_count
@@ -130,20 +134,28 @@ class Record:
             raise OutOfRange(
                 f"this worker holds generation {self.request_id} from seq {self.first_seq} on; "
                 f"seq {after_seq + 1} to {self.first_seq - 1} came from a worker that is gone",
-                reason="SEQ_NOT_HELD", metadata={"request_id": self.request_id, "first_seq": str(self.first_seq)},
+                reason="SEQ_NOT_HELD",
+                metadata={"request_id": self.request_id, "first_seq": str(self.first_seq)},
             )
         if position > self.total:
-            raise OutOfRange(f"after_seq {after_seq} is beyond the last seq sent, {self.first_seq + self.total - 1}",
-                             reason="AFTER_SEQ_BEYOND_LAST", metadata={"request_id": self.request_id})
+            raise OutOfRange(
+                f"after_seq {after_seq} is beyond the last seq sent, {self.first_seq + self.total - 1}",
+                reason="AFTER_SEQ_BEYOND_LAST",
+                metadata={"request_id": self.request_id},
+            )
         if position == self.total and self.done and self.events and self.events[-1].WhichOneof("event") == "end":
             # The caller has every chunk, the final one too (e.g. an EventSource reconnecting after [DONE]).
-            raise OutOfRange(f"generation {self.request_id} ended at seq {after_seq}: nothing comes after it",
-                             reason="GENERATION_ENDED", metadata={"request_id": self.request_id})
+            raise OutOfRange(
+                f"generation {self.request_id} ended at seq {after_seq}: nothing comes after it",
+                reason="GENERATION_ENDED",
+                metadata={"request_id": self.request_id},
+            )
         if position < self.evicted:
             raise OutOfRange(
                 f"events before seq {self.first_seq + self.evicted} are no longer kept (replay buffer is "
                 f"{self.max_bytes} bytes); resume from after_seq >= {self.first_seq + self.evicted - 1}",
-                reason="REPLAY_EVICTED", metadata={"request_id": self.request_id},
+                reason="REPLAY_EVICTED",
+                metadata={"request_id": self.request_id},
             )
         self.attached += 1
         try:
@@ -153,7 +165,8 @@ class Record:
                         raise ResourceExhausted(
                             f"reader too slow: generation {self.request_id} ran more than {self.max_bytes} "
                             "bytes ahead of it; read faster, or Resume from the last seq received",
-                            reason="READER_TOO_SLOW", metadata={"request_id": self.request_id},
+                            reason="READER_TOO_SLOW",
+                            metadata={"request_id": self.request_id},
                         )
                     event = self.events[position - self.evicted]
                     position += 1
@@ -208,7 +221,8 @@ class Registry:
             raise NotFound(
                 f"no generation {request_id!r} here (never started, cancelled, or its "
                 f"{self.grace_s:g} s resume grace period is over)",
-                reason="GENERATION_NOT_FOUND", metadata={"request_id": request_id},
+                reason="GENERATION_NOT_FOUND",
+                metadata={"request_id": request_id},
             )
         return record
 

@@ -28,10 +28,16 @@ def triton_trace_args(url: str) -> tuple[str, ...]:
     """The tritonserver flags that export OpenTelemetry traces of every request to url (none for '')."""
     if not url:
         return ()
-    return ("--trace-config", "mode=opentelemetry", "--trace-config", f"opentelemetry,url={url}",
-            "--trace-config", "rate=1", "--trace-config", "level=TIMESTAMPS")
-
-
+    return (
+        "--trace-config",
+        "mode=opentelemetry",
+        "--trace-config",
+        f"opentelemetry,url={url}",
+        "--trace-config",
+        "rate=1",
+        "--trace-config",
+        "level=TIMESTAMPS",
+    )
 
 
 class Worker(Service):
@@ -58,8 +64,9 @@ class Worker(Service):
         service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
         self.tracing = Tracing("worker")  # first: the server takes its RPC span interceptor
         tls = Tls(config)
-        host = ServiceHost(config.host, config.port, [service_name], health_port=config.health_port, tls=tls,
-                           tracing=self.tracing)
+        host = ServiceHost(
+            config.host, config.port, [service_name], health_port=config.health_port, tls=tls, tracing=self.tracing
+        )
         super().__init__(host, drain_grace_s=config.drain_grace_s, stop_grace_s=config.stop_grace_s)
         self.config = config
         self._tmp = None
@@ -92,8 +99,9 @@ class Worker(Service):
             if cfg.triton_tls:
                 mutual = cfg.tls_mode == "mtls"
                 tls = (cfg.tls_ca, cfg.tls_key if mutual else "", cfg.tls_cert if mutual else "")
-            return TritonBackend(TritonBackendConfig(url=cfg.triton_url, metrics_url=cfg.triton_metrics_url or None,
-                                                     tls=tls))
+            return TritonBackend(
+                TritonBackendConfig(url=cfg.triton_url, metrics_url=cfg.triton_metrics_url or None, tls=tls)
+            )
         if cfg.work_dir:
             work_dir = Path(cfg.work_dir)
         else:
@@ -126,8 +134,9 @@ class Worker(Service):
     async def _start(self) -> None:
         log.info("worker listening on %s; starting backend", self.host.address)
         if self.config.metrics_port:  # from the start: a model load that hangs shows there too
-            self.metrics_endpoint = MetricsEndpoint(self.servicer.metrics.registry, self.config.host,
-                                                    self.config.metrics_port, "worker")
+            self.metrics_endpoint = MetricsEndpoint(
+                self.servicer.metrics.registry, self.config.host, self.config.metrics_port, "worker"
+            )
         await self.backend.start()
         await self._warm_up()
         self.servicer.serving = True
@@ -188,8 +197,11 @@ class Worker(Service):
             servicer.serving = True
             servicer.state_reason = "serving"
             await self.host.set_ready(True)
-            log.info("backend restarted (%d so far); SERVING again on Triton %s",
-                     servicer.backend_restarts, self.backend.endpoint)
+            log.info(
+                "backend restarted (%d so far); SERVING again on Triton %s",
+                servicer.backend_restarts,
+                self.backend.endpoint,
+            )
 
     async def _drain(self) -> None:
         """NOT_SERVING to routers; in-flight generations finish within the grace period."""

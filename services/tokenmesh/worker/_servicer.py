@@ -47,8 +47,12 @@ def _start_command(first: worker_pb2.WorkerCommand | None) -> worker_pb2.WorkerC
     return first
 
 
-def generation_params(first: worker_pb2.WorkerCommand, spec: ModelSpec, time_remaining: float | None,
-                      trace_context: tuple[tuple[str, str], ...]) -> GenerationParams:
+def generation_params(
+    first: worker_pb2.WorkerCommand,
+    spec: ModelSpec,
+    time_remaining: float | None,
+    trace_context: tuple[tuple[str, str], ...],
+) -> GenerationParams:
     """The backend's parameters for a start command on spec's model.
 
     Args:
@@ -137,11 +141,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.device_lost = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
-        self.metrics.watch(WorkerState(
-            limits=self.limits, telemetry=self.telemetry, in_flight=lambda: self.in_flight,
-            serving=lambda: self.serving, has_model=self.backend_models, held=lambda: len(self.registry.records),
-            restarts=lambda: self.backend_restarts,
-        ))
+        self.metrics.watch(
+            WorkerState(
+                limits=self.limits,
+                telemetry=self.telemetry,
+                in_flight=lambda: self.in_flight,
+                serving=lambda: self.serving,
+                has_model=self.backend_models,
+                held=lambda: len(self.registry.records),
+                restarts=lambda: self.backend_restarts,
+            )
+        )
 
     def _failed(self, record: Record, error: BackendError) -> None:
         if error.error_class == worker_pb2.ERROR_CLASS_OUT_OF_MEMORY:
@@ -152,7 +162,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _shed_waiting(self, limit: int) -> None:
         """Shed generations still waiting for their first token beyond limit (they run elsewhere)."""
         waiting = [r for r in self.registry.records.values() if r.total == 0 and not r.done]
-        for victim in waiting[max(0, limit - (self.in_flight - len(waiting))):]:
+        for victim in waiting[max(0, limit - (self.in_flight - len(waiting))) :]:
             self.registry.shed(victim, "shed: the worker ran out of device memory; run it elsewhere")
 
     def _timing(self, record: Record, ttft_s: float | None, gap_s: float | None) -> None:
@@ -188,8 +198,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         for spec in models:
             if spec.name == name:
                 return spec
-        raise NotFound(f"model {name!r} is not served here; served: {', '.join(m.name for m in models)}",
-                       reason="MODEL_NOT_SERVED", metadata={"model": name})
+        raise NotFound(
+            f"model {name!r} is not served here; served: {', '.join(m.name for m in models)}",
+            reason="MODEL_NOT_SERVED",
+            metadata={"model": name},
+        )
 
     def _tokens_now(self) -> int:
         """Tokens generated so far, running generations included."""
@@ -226,29 +239,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _admit(self, req: inference_pb2.GenerateRequest) -> ModelSpec:
         """The model a started request runs on, or why this worker does not take it now."""
         if not self.serving:
-            raise Unavailable("worker is not serving (starting, draining, or its Triton is down)",
-                              reason="WORKER_NOT_SERVING")
+            raise Unavailable(
+                "worker is not serving (starting, draining, or its Triton is down)", reason="WORKER_NOT_SERVING"
+            )
         if not req.request_id:
             raise InvalidArgument("start.request_id is required (the router assigns one)")
         # The router checked these already; a caller of this internal RPC may not have.
         check_request(req)
         if self.in_flight >= self.limits.admission_limit():
             lowered = " (lowered after a device out-of-memory)" if self.limits.lowered is not None else ""
-            raise ResourceExhausted(f"worker is at its limit of {self.limits.admission_limit()} generations{lowered}",
-                                    reason="WORKER_AT_LIMIT")
+            raise ResourceExhausted(
+                f"worker is at its limit of {self.limits.admission_limit()} generations{lowered}",
+                reason="WORKER_AT_LIMIT",
+            )
         spec = self._model(req.model)
         if not req.HasField("max_tokens"):
             raise InvalidArgument("start.max_tokens is required (the router sets the default)")
         check_max_tokens(req, spec.name, spec.max_context)
         if req.messages and not spec.chat:
             # Sent anyway, Triton refuses the unknown input, which reads as a backend failure and fails over.
-            raise InvalidArgument(f"model {spec.name!r} takes a prompt only: its Triton model declares no "
-                                  "`messages` input (as the stock vLLM backend); send `prompt` with the chat "
-                                  "template applied")
+            raise InvalidArgument(
+                f"model {spec.name!r} takes a prompt only: its Triton model declares no "
+                "`messages` input (as the stock vLLM backend); send `prompt` with the chat "
+                "template applied"
+            )
         return spec
 
-    def _span(self, first: worker_pb2.WorkerCommand, spec: ModelSpec,
-              metadata: Iterable[tuple[str, Any]] | None) -> trace.Span:
+    def _span(
+        self, first: worker_pb2.WorkerCommand, spec: ModelSpec, metadata: Iterable[tuple[str, Any]] | None
+    ) -> trace.Span:
         """The generation's span on this worker: a child of the router's context, where that came.
 
         A router that does not trace sends its caller's context in the start command (on a call opened ahead of
@@ -257,19 +276,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """
         context = from_mapping(first.trace_context) if first.trace_context else parent(metadata)
         return self.tracer.start_span(
-            f"generate {spec.name}", context=context,
+            f"generate {spec.name}",
+            context=context,
             kind=trace.SpanKind.INTERNAL if context is None else trace.SpanKind.SERVER,
-            attributes={"gen_ai.request.model": spec.name, "gen_ai.response.id": first.start.request_id,
-                        "tokenmesh.tokens_before": first.tokens_before,
-                        "tokenmesh.triton_url": self._backend.endpoint})
+            attributes={
+                "gen_ai.request.model": spec.name,
+                "gen_ai.response.id": first.start.request_id,
+                "tokenmesh.tokens_before": first.tokens_before,
+                "tokenmesh.triton_url": self._backend.endpoint,
+            },
+        )
 
     def _start(self, first: worker_pb2.WorkerCommand, params: GenerationParams) -> Record:
         """Count the generation in flight and start it on the backend (queued when every slot is taken)."""
         queued = self.in_flight >= self.limits.slots()
         self.in_flight += 1
         self.idle.clear()
-        record = self.registry.start(params.request_id, first.first_seq or 1, first.tokens_before,
-                                     self._backend.generate(params))
+        record = self.registry.start(
+            params.request_id, first.first_seq or 1, first.tokens_before, self._backend.generate(params)
+        )
         record.queued = queued
         return record
 

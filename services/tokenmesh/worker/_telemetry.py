@@ -78,7 +78,8 @@ class Telemetry:
                 self.engine_pending = stats.pending
                 if previous is not None and stats.queued_total > previous.queued_total:
                     mean_ns = (stats.queue_ns_total - previous.queue_ns_total) / (
-                        stats.queued_total - previous.queued_total)
+                        stats.queued_total - previous.queued_total
+                    )
                     self.engine_queue_ms = ewma(self.engine_queue_ms, mean_ns / 1e6)
             previous = stats
             observe(self.engine_pending)

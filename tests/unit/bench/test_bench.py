@@ -15,11 +15,22 @@ from tokenmesh.bench import metrics, prompts
 from tokenmesh.bench.metrics import RequestResult
 
 
-def result(sent: float, chunks: list[tuple[float, int]], ended: float | None, tokens: int | None = None,
-           error: str | None = None) -> RequestResult:
-    return RequestResult(target="t", sent=sent, chunk_times=[t for t, _ in chunks],
-                         chunk_tokens=[n for _, n in chunks], ended=ended,
-                         output_tokens=sum(n for _, n in chunks) if tokens is None else tokens, error=error)
+def result(
+    sent: float,
+    chunks: list[tuple[float, int]],
+    ended: float | None,
+    tokens: int | None = None,
+    error: str | None = None,
+) -> RequestResult:
+    return RequestResult(
+        target="t",
+        sent=sent,
+        chunk_times=[t for t, _ in chunks],
+        chunk_tokens=[n for _, n in chunks],
+        ended=ended,
+        output_tokens=sum(n for _, n in chunks) if tokens is None else tokens,
+        error=error,
+    )
 
 
 def test_per_request_definitions() -> None:
@@ -50,8 +61,9 @@ def test_compare_overheads_per_block_and_as_the_mesh_reports_them() -> None:
     direct = [block([1.1, 1.2, 1.3]), block([2.1, 2.15, 2.2])]
     from tokenmesh.bench import report
 
-    values = report.ratios(metrics.summarize([r for b in mesh for r in b]),
-                           metrics.summarize([r for b in direct for r in b]), mesh, direct)
+    values = report.ratios(
+        metrics.summarize([r for b in mesh for r in b]), metrics.summarize([r for b in direct for r in b]), mesh, direct
+    )
     # Block p50s: mesh 1.2 vs 1.2, then 2.2 vs 2.15.
     assert values["ttft_p50_overhead_by_block_ms"] == pytest.approx([0.0, 50.0])
     # What the mesh added by its own report: 1.0-0.99 ... 2.4-1.995; p50 of the six.
@@ -63,10 +75,10 @@ def test_compare_overheads_per_block_and_as_the_mesh_reports_them() -> None:
 
 def test_run_definitions_throughput_goodput_interruptions_and_variance() -> None:
     runs = [
-        result(0.0, [(0.1, 1), (0.2, 1), (0.3, 1), (0.4, 1)], ended=0.4),      # 4 tok in 0.4 s: 10 tok/s
-        result(0.5, [(1.5, 1), (1.7, 1), (1.9, 1), (2.1, 1)], ended=2.5),      # TTFT 1.0 s; 4 tok in 2 s: 2 tok/s
-        result(1.0, [(1.2, 1)], ended=1.3, error="SEQ_GAP"),                   # interrupted
-        result(2.0, [], ended=2.1, error="UNAVAILABLE"),                       # interrupted
+        result(0.0, [(0.1, 1), (0.2, 1), (0.3, 1), (0.4, 1)], ended=0.4),  # 4 tok in 0.4 s: 10 tok/s
+        result(0.5, [(1.5, 1), (1.7, 1), (1.9, 1), (2.1, 1)], ended=2.5),  # TTFT 1.0 s; 4 tok in 2 s: 2 tok/s
+        result(1.0, [(1.2, 1)], ended=1.3, error="SEQ_GAP"),  # interrupted
+        result(2.0, [], ended=2.1, error="UNAVAILABLE"),  # interrupted
     ]
     s = metrics.summarize(runs, metrics.parse_slo("ttft=500"))
     assert s["duration_s"] == pytest.approx(2.5)  # first send 0.0 -> last end 2.5
@@ -116,7 +128,7 @@ def test_jsonl_prompts_and_their_errors(tmp_path) -> None:
         "{not json}\n": "bad.jsonl:1: not JSON",
         '{"prompt": "a"}\n[1]\n': "bad.jsonl:2: expected an object",
         '{"prompt": "a", "max_tokens": 0}\n': "max_tokens must be a positive integer",
-        '{"text": "a"}\n': "needs a non-empty \"prompt\"",
+        '{"text": "a"}\n': 'needs a non-empty "prompt"',
         '{"messages": [{"role": "user"}]}\n': "each message needs string",
         "\n": "holds no prompts",
     }
@@ -130,20 +142,27 @@ def test_jsonl_prompts_and_their_errors(tmp_path) -> None:
 
 
 def bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tokenmesh", "bench", "--progress", "off", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tokenmesh", "bench", "--progress", "off", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--concurrency", "0"], "--concurrency must be >= 1, got 0"),
-    (["--request-rate", "-2"], "--request-rate must be > 0, got -2.0"),
-    (["--requests", "0"], "--requests must be >= 1"),
-    (["--slo", "ttft=soon"], "--slo"),
-    (["--prompts", "/nonexistent.jsonl"], "cannot read prompt file /nonexistent.jsonl"),
-    (["--addr", "127.0.0.1:1"], "cannot reach the mesh at 127.0.0.1:1"),
-    (["--target", "triton", "--triton-url", "127.0.0.1:1", "--model", "m"], "cannot reach Triton at 127.0.0.1:1"),
-    (["--target", "triton"], "--target triton needs --triton-url"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--concurrency", "0"], "--concurrency must be >= 1, got 0"),
+        (["--request-rate", "-2"], "--request-rate must be > 0, got -2.0"),
+        (["--requests", "0"], "--requests must be >= 1"),
+        (["--slo", "ttft=soon"], "--slo"),
+        (["--prompts", "/nonexistent.jsonl"], "cannot read prompt file /nonexistent.jsonl"),
+        (["--addr", "127.0.0.1:1"], "cannot reach the mesh at 127.0.0.1:1"),
+        (["--target", "triton", "--triton-url", "127.0.0.1:1", "--model", "m"], "cannot reach Triton at 127.0.0.1:1"),
+        (["--target", "triton"], "--target triton needs --triton-url"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_code_2(args: list[str], message: str) -> None:
     out = bench(*args)
     assert out.returncode == 2, out.stderr
@@ -156,8 +175,23 @@ async def test_bench_against_a_mesh_counts_every_token_and_writes_json(tmp_path)
         report = tmp_path / "report.json"
         plot = tmp_path / "plot.png"
         out = await run_bench(
-            "--addr", mesh.router.host.address, "--requests", "12", "--concurrency", "3", "--output-tokens", "9",
-            "--input-tokens", "16", "--slo", "ttft=60000", "--json", str(report), "--plot", str(plot))
+            "--addr",
+            mesh.router.host.address,
+            "--requests",
+            "12",
+            "--concurrency",
+            "3",
+            "--output-tokens",
+            "9",
+            "--input-tokens",
+            "16",
+            "--slo",
+            "ttft=60000",
+            "--json",
+            str(report),
+            "--plot",
+            str(plot),
+        )
         unknown = await run_bench("--addr", mesh.router.host.address, "--model", "nope")
     assert out.returncode == 0, out.stderr
     summary = json.loads(report.read_text())["summaries"]["mesh"]

@@ -25,28 +25,56 @@ USER = [{"role": "user", "content": "hi"}]
 
 
 def test_chat_fields_become_the_mesh_request() -> None:
-    parsed = parse({
-        "model": "m", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "\n", "ignore_eos": True,
-        "user": "u1", "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        "messages": [{"role": "developer", "content": "be brief"}, {"role": "system", "content": "s"},
-                     {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                     {"role": "assistant", "content": "c", "name": "bot"}],
-        # neutral values SDKs send, and fields nobody here knows (ignored, as vLLM does)
-        "n": 1, "logprobs": False, "tools": [], "tool_choice": "none", "presence_penalty": 0.0,
-        "response_format": {"type": "text"}, "logit_bias": {}, "store": False, "metadata": {"k": "v"},
-        "some_vendor_field": 1,
-    }, "chat")
+    parsed = parse(
+        {
+            "model": "m",
+            "max_tokens": 7,
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": 3,
+            "stop": "\n",
+            "ignore_eos": True,
+            "user": "u1",
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "c", "name": "bot"},
+            ],
+            # neutral values SDKs send, and fields nobody here knows (ignored, as vLLM does)
+            "n": 1,
+            "logprobs": False,
+            "tools": [],
+            "tool_choice": "none",
+            "presence_penalty": 0.0,
+            "response_format": {"type": "text"},
+            "logit_bias": {},
+            "store": False,
+            "metadata": {"k": "v"},
+            "some_vendor_field": 1,
+        },
+        "chat",
+    )
     request = parsed.request
-    assert [(m.role, m.content) for m in request.messages] == [("system", "be brief"), ("system", "s"),
-                                                                ("user", "ab"), ("assistant", "c")]
+    assert [(m.role, m.content) for m in request.messages] == [
+        ("system", "be brief"),
+        ("system", "s"),
+        ("user", "ab"),
+        ("assistant", "c"),
+    ]
     assert (request.model, request.max_tokens, request.temperature, request.top_p, request.seed) == ("m", 7, 0, 0.5, 3)
     assert list(request.stop) == ["\n"] and request.ignore_eos and dict(request.labels) == {"user": "u1"}
     assert (parsed.stream, parsed.include_usage, parsed.continuous_usage) == (True, True, True)
 
 
 def test_completion_fields_and_defaults() -> None:
-    parsed = parse({"prompt": ["once"], "max_completion_tokens": 5, "max_tokens": 99, "stop": ["a", "b"]},
-                   "completion", default_model="smollm2")
+    parsed = parse(
+        {"prompt": ["once"], "max_completion_tokens": 5, "max_tokens": 99, "stop": ["a", "b"]},
+        "completion",
+        default_model="smollm2",
+    )
     request = parsed.request
     assert (request.prompt, request.max_tokens, list(request.stop), request.model) == ("once", 5, ["a", "b"], "smollm2")
     assert not request.HasField("temperature") and not request.HasField("seed") and not parsed.stream
@@ -82,8 +110,12 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {"messages": [{"role": "tool", "content": "hi"}]}, "messages[0].role", "tool"),
     ("chat", {"messages": ["hi"]}, "messages[0]", "must be an object"),
     ("chat", {"messages": [{"role": "user", "content": None}]}, "messages[0].content", "got null"),
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0]", "text only"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content[0]",
+        "text only",
+    ),
     ("chat", {"messages": USER, "max_tokens": "10"}, "max_tokens", "must be an integer"),
     ("chat", {"messages": USER, "max_tokens": 0}, "max_tokens", "at least 1"),
     ("chat", {"messages": USER, "max_tokens": 10.5}, "max_tokens", "must be an integer"),
@@ -96,15 +128,20 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {"messages": USER, "stream": "yes"}, "stream", "true or false"),
     ("chat", {"messages": USER, "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
     ("chat", {"messages": USER, "stream": True, "stream_options": []}, "stream_options", "must be an object"),
-    ("chat", {"messages": USER, "stream": True, "stream_options": {"include_usage": 1}},
-     "stream_options.include_usage", "true or false"),
+    (
+        "chat",
+        {"messages": USER, "stream": True, "stream_options": {"include_usage": 1}},
+        "stream_options.include_usage",
+        "true or false",
+    ),
     ("chat", {"messages": USER, "model": 3}, "model", "must be a string"),
     ("chat", {"messages": USER, "user": ["u"]}, "user", "must be a string"),
 ]
 
 
-@pytest.mark.parametrize(("kind", "body", "param", "words"), BAD_FIELDS,
-                         ids=[f"{k}-{p}-{i}" for i, (k, _, p, _w) in enumerate(BAD_FIELDS)])
+@pytest.mark.parametrize(
+    ("kind", "body", "param", "words"), BAD_FIELDS, ids=[f"{k}-{p}-{i}" for i, (k, _, p, _w) in enumerate(BAD_FIELDS)]
+)
 def test_each_bad_field_is_a_400_naming_it(kind: str, body: dict[str, Any], param: str, words: str) -> None:
     with pytest.raises(HttpError) as refused:
         parse(body, kind)  # type: ignore[arg-type]
@@ -120,26 +157,73 @@ async def test_bad_requests_over_http_are_precise_4xx_with_the_openai_error(mesh
         ("POST", "/v1/chat/completions", b"\xff\xfe{}", {}, 400, None, "invalid_argument"),
         ("POST", "/v1/chat/completions", b"[]", {}, 400, None, "invalid_argument"),
         ("POST", "/v1/chat/completions", b"", {}, 400, None, "invalid_argument"),
-        ("POST", "/v1/chat/completions", orjson.dumps({"messages": [{"role": "robot", "content": "x"}]}), {}, 400,
-         "messages[0].role", "invalid_argument"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            orjson.dumps({"messages": [{"role": "robot", "content": "x"}]}),
+            {},
+            400,
+            "messages[0].role",
+            "invalid_argument",
+        ),
         ("POST", "/v1/chat/completions", orjson.dumps({"messages": []}), {}, 400, "messages", "invalid_argument"),
-        ("POST", "/v1/chat/completions", b'{"messages": "' + b"x" * 5000 + b'"}', {}, 413, None,
-         "request_too_large"),
-        ("POST", "/v1/completions", orjson.dumps({"prompt": "x", "max_tokens": 100_000}), {}, 400, "max_tokens",
-         "invalid_argument"),
-        ("POST", "/v1/completions", orjson.dumps({"prompt": "x", "model": "nope"}), {}, 404, "model",
-         "model_not_found"),
-        ("POST", "/v1/completions", orjson.dumps({"prompt": "x"}), {"X-Request-Id": "a/b"}, 400, "request_id",
-         "invalid_argument"),
-        ("POST", "/v1/completions", orjson.dumps({"prompt": "x", "stream": True}), {"Last-Event-ID": "nocolon"},
-         400, "Last-Event-ID", "invalid_argument"),
-        ("POST", "/v1/completions", orjson.dumps({"prompt": "x"}), {"Last-Event-ID": "a:1"}, 400, "stream",
-         "invalid_argument"),
-        ("POST", "/v1/completions", orjson.dumps({"prompt": "x", "stream": True}),
-         {"Last-Event-ID": "a:1", "X-Request-Id": "b"}, 400, "Last-Event-ID", "invalid_argument"),
+        ("POST", "/v1/chat/completions", b'{"messages": "' + b"x" * 5000 + b'"}', {}, 413, None, "request_too_large"),
+        (
+            "POST",
+            "/v1/completions",
+            orjson.dumps({"prompt": "x", "max_tokens": 100_000}),
+            {},
+            400,
+            "max_tokens",
+            "invalid_argument",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            orjson.dumps({"prompt": "x", "model": "nope"}),
+            {},
+            404,
+            "model",
+            "model_not_found",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            orjson.dumps({"prompt": "x"}),
+            {"X-Request-Id": "a/b"},
+            400,
+            "request_id",
+            "invalid_argument",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            orjson.dumps({"prompt": "x", "stream": True}),
+            {"Last-Event-ID": "nocolon"},
+            400,
+            "Last-Event-ID",
+            "invalid_argument",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            orjson.dumps({"prompt": "x"}),
+            {"Last-Event-ID": "a:1"},
+            400,
+            "stream",
+            "invalid_argument",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            orjson.dumps({"prompt": "x", "stream": True}),
+            {"Last-Event-ID": "a:1", "X-Request-Id": "b"},
+            400,
+            "Last-Event-ID",
+            "invalid_argument",
+        ),
         ("GET", "/v1/completions/x/stream?starting_after=-1", None, {}, 400, "starting_after", "invalid_argument"),
-        ("GET", "/v1/completions/x/stream", None, {"Last-Event-ID": "y:3"}, 400, "Last-Event-ID",
-         "invalid_argument"),
+        ("GET", "/v1/completions/x/stream", None, {"Last-Event-ID": "y:3"}, 400, "Last-Event-ID", "invalid_argument"),
         ("GET", "/v1/nothing", None, {}, 404, None, "not_found"),
         ("GET", "/", None, {}, 404, None, "not_found"),
         ("GET", "/v1/chat/completions", None, {}, 405, None, "method_not_allowed"),
@@ -187,10 +271,16 @@ def _labels(metrics: str) -> set[tuple[str, str]]:
 
 async def test_a_method_a_route_does_not_take_is_405_with_allow_naming_its_method() -> None:
     expected = {  # every kind of route, written out: the table must say the same
-        "/v1/chat/completions": "POST", "/v1/completions": "POST",
-        "/v1/chat/completions/x1/stream": "GET", "/v1/completions/x1/stream": "GET",
-        "/v1/chat/completions/x1": "DELETE", "/v1/completions/x1": "DELETE",
-        "/v1/models": "GET", "/v1/models/x1": "GET", "/health": "GET", "/metrics": "GET",
+        "/v1/chat/completions": "POST",
+        "/v1/completions": "POST",
+        "/v1/chat/completions/x1/stream": "GET",
+        "/v1/completions/x1/stream": "GET",
+        "/v1/chat/completions/x1": "DELETE",
+        "/v1/completions/x1": "DELETE",
+        "/v1/models": "GET",
+        "/v1/models/x1": "GET",
+        "/health": "GET",
+        "/metrics": "GET",
     }
     assert {_concrete(r.path): r.method for r in ROUTES} == expected
     async with gateway_over(None, routers=(_dead_router(),), retry_deadline_s=0.2) as gateway:
@@ -208,8 +298,14 @@ async def test_a_method_a_route_does_not_take_is_405_with_allow_naming_its_metho
 async def test_a_path_no_route_has_is_404_naming_the_paths_served() -> None:
     async with gateway_over(None, routers=(_dead_router(),)) as gateway:
         async with httpx.AsyncClient(base_url=f"http://{gateway.address}") as http:
-            for method, path in (("GET", "/v1/models/"), ("DELETE", "/v1/chat/completions/a/b"), ("POST", "/v2/chat"),
-                                 ("GET", "/v1/completions/x/stream/more"), ("GET", "/healthz"), ("PUT", "/")):
+            for method, path in (
+                ("GET", "/v1/models/"),
+                ("DELETE", "/v1/chat/completions/a/b"),
+                ("POST", "/v2/chat"),
+                ("GET", "/v1/completions/x/stream/more"),
+                ("GET", "/healthz"),
+                ("PUT", "/"),
+            ):
                 response = await http.request(method, path)
                 assert response.status_code == 404, (method, path, response.text)
                 assert "allow" not in response.headers
@@ -270,21 +366,29 @@ def test_the_keys_file_holds_hashes_and_tenants(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text(f"{hash_key('k1')} search\n\n# comment\n{hash_key('k2').upper()}   ads # trailing\n")
     assert load_keys(str(keys)) == {hash_key("k1"): "search", hash_key("k2"): "ads"}
-    for text, words in ((f"{hash_key('k1')}\n", ":1: expected"), ("nothex tenant\n", ":1: expected"),
-                        (f"{hash_key('k1')} a\n{hash_key('k1')} b\n", ":2: this key hash is listed twice"),
-                        ("# nothing\n", "lists no key")):
+    for text, words in (
+        (f"{hash_key('k1')}\n", ":1: expected"),
+        ("nothex tenant\n", ":1: expected"),
+        (f"{hash_key('k1')} a\n{hash_key('k1')} b\n", ":2: this key hash is listed twice"),
+        ("# nothing\n", "lists no key"),
+    ):
         keys.write_text(text)
         with pytest.raises(ConfigError, match=words):
             load_keys(str(keys))
 
 
 def test_the_gateway_command_checks_its_config() -> None:
-    ok = subprocess.run([sys.executable, "-m", "tokenmesh", "gateway", "--routers", "a:1,b:2", "--port", "0",
-                         "--check-config"], capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "tokenmesh", "gateway", "--routers", "a:1,b:2", "--port", "0", "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "routers = 'a:1,b:2'" in ok.stdout and "keepalive_s = 15.0" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "tokenmesh", "gateway", "--check-config"], capture_output=True,
-                         text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tokenmesh", "gateway", "--check-config"], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "at least one router" in bad.stderr
 
 
@@ -292,12 +396,18 @@ def test_the_gateway_grace_periods_are_settings_with_flags_and_env() -> None:
     defaults = GatewayConfig(routers=("r:1",))
     assert (defaults.drain_grace_s, defaults.drain_tail_s, defaults.stop_grace_s) == (30.0, 2.0, 2.0)
     env = {**os.environ, "TOKENMESH_GATEWAY_STOP_GRACE_S": "0.5"}
-    done = subprocess.run([sys.executable, "-m", "tokenmesh", "gateway", "--routers", "a:1", "--drain-tail-s", "0.25",
-                           "--check-config"], capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenmesh", "gateway", "--routers", "a:1", "--drain-tail-s", "0.25", "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert "drain_tail_s = 0.25" in done.stdout and "stop_grace_s = 0.5" in done.stdout
-    helped = subprocess.run([sys.executable, "-m", "tokenmesh", "gateway", "--help"], capture_output=True, text=True,
-                            timeout=60)
+    helped = subprocess.run(
+        [sys.executable, "-m", "tokenmesh", "gateway", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert "TOKENMESH_GATEWAY_DRAIN_TAIL_S" in helped.stdout and "TOKENMESH_GATEWAY_STOP_GRACE_S" in helped.stdout
 
 

@@ -21,23 +21,28 @@ def test_a_stream_closed_without_an_end_is_the_workers_failure() -> None:
     assert str(ended) == "worker closed the stream without an end"
 
 
-@pytest.mark.parametrize(("error_class", "kind"), [
-    (worker_pb2.ERROR_CLASS_BACKEND, "backend"),
-    (worker_pb2.ERROR_CLASS_OUT_OF_MEMORY, "out_of_memory"),
-    (worker_pb2.ERROR_CLASS_UNAVAILABLE, "unavailable"),
-    (worker_pb2.ERROR_CLASS_TIMEOUT, "timeout"),
-    (worker_pb2.ERROR_CLASS_DEVICE_LOST, "device_lost"),
-])
-def test_a_worker_error_event_of_the_workers_classes_fails_over_labelled_by_class(error_class: int,
-                                                                                  kind: str) -> None:
+@pytest.mark.parametrize(
+    ("error_class", "kind"),
+    [
+        (worker_pb2.ERROR_CLASS_BACKEND, "backend"),
+        (worker_pb2.ERROR_CLASS_OUT_OF_MEMORY, "out_of_memory"),
+        (worker_pb2.ERROR_CLASS_UNAVAILABLE, "unavailable"),
+        (worker_pb2.ERROR_CLASS_TIMEOUT, "timeout"),
+        (worker_pb2.ERROR_CLASS_DEVICE_LOST, "device_lost"),
+    ],
+)
+def test_a_worker_error_event_of_the_workers_classes_fails_over_labelled_by_class(error_class: int, kind: str) -> None:
     ended = outcome(worker_pb2.GenerationError(error_class=error_class, message="it broke"), "w:1", received=True)
     assert isinstance(ended, WorkerFailed) and ended.kind == kind and str(ended) == "it broke"
 
 
-@pytest.mark.parametrize(("error_class", "error_type"), [
-    (worker_pb2.ERROR_CLASS_INVALID_REQUEST, InvalidArgument),
-    (worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND, NotFound),
-])
+@pytest.mark.parametrize(
+    ("error_class", "error_type"),
+    [
+        (worker_pb2.ERROR_CLASS_INVALID_REQUEST, InvalidArgument),
+        (worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND, NotFound),
+    ],
+)
 def test_a_worker_error_event_about_the_request_ends_the_stream_with_the_callers_error(
     error_class: int, error_type: type[MeshError]
 ) -> None:
@@ -46,12 +51,18 @@ def test_a_worker_error_event_about_the_request_ends_the_stream_with_the_callers
     assert ended.message == "bad stop" and ended.metadata == {"worker": "w:1"}
 
 
-@pytest.mark.parametrize("code", [
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED,
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    ],
+)
 @pytest.mark.parametrize("received", [False, True])
-def test_a_status_about_the_request_is_the_callers_before_and_after_output(code: grpc.StatusCode,
-                                                                          received: bool) -> None:
+def test_a_status_about_the_request_is_the_callers_before_and_after_output(
+    code: grpc.StatusCode, received: bool
+) -> None:
     ended = outcome(status(code, "no such model"), "w:1", received=received)
     assert isinstance(ended, MeshError) and ended.grpc_code == code and ended.message == "no such model"
 
@@ -74,7 +85,9 @@ def test_resume_reports_a_worker_failure_as_unavailable_and_passes_the_callers_e
     failure = WorkerFailed("UNAVAILABLE: gone", "unavailable")
     reported = _not_moved(failure, "w:1", "rid")
     assert isinstance(reported, Unavailable) and reported.__cause__ is failure
-    assert reported.message == ("worker w:1 holding rid failed during Resume (UNAVAILABLE: gone); "
-                                "a resumed stream is not moved to another worker")
+    assert reported.message == (
+        "worker w:1 holding rid failed during Resume (UNAVAILABLE: gone); "
+        "a resumed stream is not moved to another worker"
+    )
     caller = InvalidArgument("bad")
     assert _not_moved(caller, "w:1", "rid") is caller

@@ -29,16 +29,24 @@ def chunks() -> list[inference_pb2.GenerateChunk]:
     return [
         inference_pb2.GenerateChunk(seq=1, text="to bob@", token_count=1),
         inference_pb2.GenerateChunk(seq=2, text="example.com ", token_count=1),
-        inference_pb2.GenerateChunk(seq=3, text="done", token_count=1, finish_reason=inference_pb2.FINISH_REASON_LENGTH,
-                                    usage=inference_pb2.Usage(prompt_tokens=4, completion_tokens=3)),
+        inference_pb2.GenerateChunk(
+            seq=3,
+            text="done",
+            token_count=1,
+            finish_reason=inference_pb2.FINISH_REASON_LENGTH,
+            usage=inference_pb2.Usage(prompt_tokens=4, completion_tokens=3),
+        ),
     ]
 
 
 def counts(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every counter and every histogram's count (sums and buckets depend on the clock)."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(generate_latest(registry).decode()) for s in family.samples
-            if not s.name.endswith(("_sum", "_bucket", "_created"))}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+        if not s.name.endswith(("_sum", "_bucket", "_created"))
+    }
 
 
 def play(observe: Observation | GenerationMetrics) -> None:
@@ -61,8 +69,9 @@ def play(observe: Observation | GenerationMetrics) -> None:
 
 def test_with_tracing_off_nothing_is_recorded_the_metrics_are_the_same_and_a_chunk_costs_only_the_metrics() -> None:
     metrics, plain = RouterMetrics(), RouterMetrics()
-    span = generation_span(trace.NoOpTracer(), BASE, (("traceparent", TRACEPARENT),), policy="p2c", prefixed=False,
-                           capture_content=True)
+    span = generation_span(
+        trace.NoOpTracer(), BASE, (("traceparent", TRACEPARENT),), policy="p2c", prefixed=False, capture_content=True
+    )
     observe = Observation(metrics.generation("m", "t"), span, capture_content=True)
     assert not span.is_recording()
     assert observe.chunk == observe.track.chunk  # no tracing work per chunk
@@ -71,8 +80,12 @@ def test_with_tracing_off_nothing_is_recorded_the_metrics_are_the_same_and_a_chu
     observe.end(10.0, 1)
     play(plain.generation("m", "t"))
     assert counts(metrics.registry) == counts(plain.registry)
-    assert counts(metrics.registry)[("tokenmesh_router_requests_total",
-                                     (("model", "m"), ("outcome", "length"), ("tenant", "other")))] == 1
+    assert (
+        counts(metrics.registry)[
+            ("tokenmesh_router_requests_total", (("model", "m"), ("outcome", "length"), ("tenant", "other")))
+        ]
+        == 1
+    )
 
 
 def test_with_tracing_off_and_no_caller_context_the_worker_gets_none() -> None:
@@ -94,11 +107,13 @@ def only(exporter: InMemorySpanExporter) -> ReadableSpan:
 
 
 @pytest.mark.parametrize("capture", [False, True])
-def test_with_tracing_on_the_span_records_the_generation(recorded: tuple[trace.Tracer, InMemorySpanExporter],
-                                                         capture: bool) -> None:
+def test_with_tracing_on_the_span_records_the_generation(
+    recorded: tuple[trace.Tracer, InMemorySpanExporter], capture: bool
+) -> None:
     tracer, exporter = recorded
-    span = generation_span(tracer, BASE, (("traceparent", TRACEPARENT),), policy="p2c", prefixed=True,
-                           capture_content=capture)
+    span = generation_span(
+        tracer, BASE, (("traceparent", TRACEPARENT),), policy="p2c", prefixed=True, capture_content=capture
+    )
     metrics = RouterMetrics()
     observe = Observation(metrics.generation("m", "t"), span, capture_content=capture)
     assert observe.trace_context["traceparent"].startswith(f"00-{TRACE_ID}-")
@@ -111,21 +126,34 @@ def test_with_tracing_on_the_span_records_the_generation(recorded: tuple[trace.T
     assert done.name == "text_completion m" and done.kind == trace.SpanKind.SERVER
     assert format(done.context.trace_id, "032x") == TRACE_ID
     assert dict(done.attributes or {}) == {
-        "gen_ai.operation.name": "text_completion", "gen_ai.system": "tokenmesh", "gen_ai.request.model": "m",
-        "gen_ai.request.max_tokens": 3, "gen_ai.response.id": "rid", "tokenmesh.policy": "p2c",
-        "tokenmesh.prefix_affinity": True, "tokenmesh.worker": "w:2", "gen_ai.response.finish_reasons": ("length",),
-        "gen_ai.usage.input_tokens": 4, "gen_ai.usage.output_tokens": 3, "tokenmesh.queue_ms": 10.0,
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.system": "tokenmesh",
+        "gen_ai.request.model": "m",
+        "gen_ai.request.max_tokens": 3,
+        "gen_ai.response.id": "rid",
+        "tokenmesh.policy": "p2c",
+        "tokenmesh.prefix_affinity": True,
+        "tokenmesh.worker": "w:2",
+        "gen_ai.response.finish_reasons": ("length",),
+        "gen_ai.usage.input_tokens": 4,
+        "gen_ai.usage.output_tokens": 3,
+        "tokenmesh.queue_ms": 10.0,
         "tokenmesh.migrations": 1,
     }
     events = [(e.name, dict(e.attributes or {})) for e in done.events]
     expected = [
         ("gen_ai.first_token", {}),
-        ("tokenmesh.worker_failed", {"tokenmesh.worker": "w:1", "tokenmesh.failure": "backend",
-                                     "tokenmesh.after_seq": 1}),
+        (
+            "tokenmesh.worker_failed",
+            {"tokenmesh.worker": "w:1", "tokenmesh.failure": "backend", "tokenmesh.after_seq": 1},
+        ),
     ]
     if capture:  # redacted, the prompt first and the output at the end
-        expected = [("gen_ai.user.message", {"gen_ai.prompt": "mail <EMAIL>"}), *expected,
-                    ("gen_ai.choice", {"gen_ai.completion": "to <EMAIL> done"})]
+        expected = [
+            ("gen_ai.user.message", {"gen_ai.prompt": "mail <EMAIL>"}),
+            *expected,
+            ("gen_ai.choice", {"gen_ai.completion": "to <EMAIL> done"}),
+        ]
     assert events == expected
     assert done.status.status_code == StatusCode.UNSET
 
@@ -148,10 +176,19 @@ def test_a_failed_and_an_abandoned_generation_are_recorded_as_what_they_were(
     assert second.status.status_code == StatusCode.ERROR
     assert (second.attributes or {})["tokenmesh.outcome"] == "caller_gone"
     samples = counts(metrics.registry)
-    assert samples[("tokenmesh_router_requests_total",
-                    (("model", "m"), ("outcome", "resource_exhausted"), ("tenant", "other")))] == 1
-    assert samples[("tokenmesh_router_requests_total",
-                    (("model", "m"), ("outcome", "caller_gone"), ("tenant", "other")))] == 1
+    assert (
+        samples[
+            (
+                "tokenmesh_router_requests_total",
+                (("model", "m"), ("outcome", "resource_exhausted"), ("tenant", "other")),
+            )
+        ]
+        == 1
+    )
+    assert (
+        samples[("tokenmesh_router_requests_total", (("model", "m"), ("outcome", "caller_gone"), ("tenant", "other")))]
+        == 1
+    )
 
 
 def test_log_lines_carry_a_recording_spans_ids_and_none_for_a_no_op_span(
@@ -159,13 +196,15 @@ def test_log_lines_carry_a_recording_spans_ids_and_none_for_a_no_op_span(
 ) -> None:
     tracer, _ = recorded
     record = logging.LogRecord("t", logging.INFO, __file__, 1, "m", None, None)
-    parent = generation_span(trace.NoOpTracer(), BASE, (("traceparent", TRACEPARENT),), policy="p2c",
-                             prefixed=False, capture_content=False)
+    parent = generation_span(
+        trace.NoOpTracer(), BASE, (("traceparent", TRACEPARENT),), policy="p2c", prefixed=False, capture_content=False
+    )
     logs.about("rid", parent)
     logs.CallContext().filter(record)
     assert (record.request_id, record.trace_id, record.span_id) == ("rid", "", "")
-    span = generation_span(tracer, BASE, (("traceparent", TRACEPARENT),), policy="p2c", prefixed=False,
-                           capture_content=False)
+    span = generation_span(
+        tracer, BASE, (("traceparent", TRACEPARENT),), policy="p2c", prefixed=False, capture_content=False
+    )
     logs.about("rid", span)
     logs.CallContext().filter(record)
     assert record.trace_id == TRACE_ID and record.span_id == format(span.get_span_context().span_id, "016x")

@@ -164,11 +164,13 @@ def test_nonsense_stats_are_recognised() -> None:
 
     assert nonsense(worker_pb2.WorkerStats(concurrency_limit=4, in_flight=1)) == ""
     assert "concurrency_limit 0" in nonsense(worker_pb2.WorkerStats(concurrency_limit=0))
-    bad_memory = worker_pb2.WorkerStats(concurrency_limit=4, devices=[
-        worker_pb2.DeviceStats(index=0, memory_used_bytes=90, memory_total_bytes=80)])
+    bad_memory = worker_pb2.WorkerStats(
+        concurrency_limit=4, devices=[worker_pb2.DeviceStats(index=0, memory_used_bytes=90, memory_total_bytes=80)]
+    )
     assert "memory used 90 > total 80" in nonsense(bad_memory)
-    assert "utilization 140%" in nonsense(worker_pb2.WorkerStats(concurrency_limit=4, devices=[
-        worker_pb2.DeviceStats(index=0, utilization_percent=140)]))
+    assert "utilization 140%" in nonsense(
+        worker_pb2.WorkerStats(concurrency_limit=4, devices=[worker_pb2.DeviceStats(index=0, utilization_percent=140)])
+    )
 
 
 def test_cpu_sets_parse_and_format() -> None:
@@ -193,8 +195,10 @@ def test_device_memory_over_the_threshold_lowers_the_weight() -> None:
     assert with_memory(96) == 0.5  # halfway from the 92% threshold to full
     assert with_memory(99.9) == MIN_WEIGHT
     device = worker_pb2.DeviceStats(index=0, memory_used_bytes=96 * GIB, memory_total_bytes=100 * GIB)
-    assert "device 0 memory 96% > 92%" in compute_weight(view(concurrency_limit=4, devices=[device]), 100.0,
-                                                         Scoring()).reason
+    assert (
+        "device 0 memory 96% > 92%"
+        in compute_weight(view(concurrency_limit=4, devices=[device]), 100.0, Scoring()).reason
+    )
 
 
 def test_no_gpu_readings_leave_the_weight_alone() -> None:
@@ -207,8 +211,12 @@ def test_ttft_over_the_slo_scales_the_weight() -> None:
 
 
 def chat(system: str, user: str = "hi") -> inference_pb2.GenerateRequest:
-    return inference_pb2.GenerateRequest(messages=[
-        inference_pb2.ChatMessage(role="system", content=system), inference_pb2.ChatMessage(role="user", content=user)])
+    return inference_pb2.GenerateRequest(
+        messages=[
+            inference_pb2.ChatMessage(role="system", content=system),
+            inference_pb2.ChatMessage(role="user", content=user),
+        ]
+    )
 
 
 def test_prefix_keys() -> None:

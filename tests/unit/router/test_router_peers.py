@@ -24,8 +24,11 @@ class Recorder(router_pb2_grpc.ControlServicer):
         self.versions: list[int] = []
         self.forwarded: list[bool] = []
 
-    async def PushWeights(self, request_iterator: AsyncIterator[router_pb2.WeightTable],  # noqa: N802
-                          context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[router_pb2.WeightAck]:
+    async def PushWeights(
+        self,
+        request_iterator: AsyncIterator[router_pb2.WeightTable],  # noqa: N802
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[router_pb2.WeightAck]:
         self.forwarded.append(FORWARDED in (context.invocation_metadata() or ()))
         async for table in request_iterator:
             self.versions.append(table.version)

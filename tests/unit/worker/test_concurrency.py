@@ -15,6 +15,7 @@ from tokenmesh.worker import AdaptiveLimit, DeviceReading
 async def collect(mesh: InProcessMesh, request: inference_pb2.GenerateRequest) -> list[inference_pb2.GenerateChunk]:
     return [c async for c in mesh.inference.Generate(request)]
 
+
 GIB = 1024**3
 
 
@@ -80,8 +81,11 @@ def test_memory_headroom_caps_the_limit_at_the_generations_it_holds() -> None:
 
 async def generate_direct(stub: worker_pb2_grpc.WorkerStub, request_id: str, tokens: int) -> int:
     call = stub.Generate()
-    await call.write(worker_pb2.WorkerCommand(
-        start=inference_pb2.GenerateRequest(prompt="p", max_tokens=tokens, request_id=request_id)))
+    await call.write(
+        worker_pb2.WorkerCommand(
+            start=inference_pb2.GenerateRequest(prompt="p", max_tokens=tokens, request_id=request_id)
+        )
+    )
     count = 0
     async for event in call:
         count += event.chunk.token_count
@@ -124,8 +128,13 @@ async def test_worker_limit_follows_the_engines_own_queue_not_its_ttft() -> None
 
 
 def test_tritons_pending_queue_lowers_the_weight() -> None:
-    view = WorkerView("w", reachable=True, serving=True, stats_at=100.0,
-                      stats=worker_pb2.WorkerStats(concurrency_limit=4, in_flight=0, triton_pending=3))
+    view = WorkerView(
+        "w",
+        reachable=True,
+        serving=True,
+        stats_at=100.0,
+        stats=worker_pb2.WorkerStats(concurrency_limit=4, in_flight=0, triton_pending=3),
+    )
     weight = compute_weight(view, 100.0, Scoring())
     assert weight.weight == 0.25 and "3 waiting in Triton's queue" in weight.reason
 

@@ -144,8 +144,11 @@ class TritonBackend(Backend):
         entries = index.get("models", [])
         if not entries:
             raise _Starting("no model in the repository index yet")
-        loading = [f"{e['name']} {e.get('state') or 'UNKNOWN'}" for e in entries
-                   if e.get("state") not in ("READY", "UNAVAILABLE")]
+        loading = [
+            f"{e['name']} {e.get('state') or 'UNKNOWN'}"
+            for e in entries
+            if e.get("state") not in ("READY", "UNAVAILABLE")
+        ]
         if loading:
             raise _Starting(f"still loading: {', '.join(loading)}")
         ready = [entry["name"] for entry in entries if entry.get("state") == "READY"]
@@ -239,10 +242,12 @@ class TritonBackend(Backend):
         else:
             ca, key, cert = tls
             self._client = triton_aio.InferenceServerClient(
-                self.endpoint, ssl=True, root_certificates=ca, private_key=key or None, certificate_chain=cert or None)
+                self.endpoint, ssl=True, root_certificates=ca, private_key=key or None, certificate_chain=cert or None
+            )
             pem = [Path(f).read_bytes() if f else None for f in (ca, key, cert)]
-            self._channel = grpc.aio.secure_channel(self.endpoint, grpc.ssl_channel_credentials(*pem),
-                                                    options=TRITON_CHANNEL_OPTIONS)
+            self._channel = grpc.aio.secure_channel(
+                self.endpoint, grpc.ssl_channel_credentials(*pem), options=TRITON_CHANNEL_OPTIONS
+            )
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def _disconnect(self) -> None:

@@ -44,7 +44,7 @@ def decode_first(raw: bytes) -> str:
         if len(raw) < 4:
             raise MalformedBytes(f"BYTES element of {len(raw)} bytes is shorter than its 4-byte length prefix")
         raise MalformedBytes(f"BYTES element's length prefix says {size} bytes, {len(raw) - 4} follow it")
-    return raw[4:4 + size].decode("utf-8", errors="replace")
+    return raw[4 : 4 + size].decode("utf-8", errors="replace")
 
 
 def build_request(params: GenerationParams) -> service_pb2.ModelInferRequest:

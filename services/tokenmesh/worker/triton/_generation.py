@@ -93,8 +93,9 @@ class TritonGeneration(Generation):
         """The ModelStreamInfer call, carrying the trace context (its spans are children of the worker's)."""
         params = self._params
         try:
-            call = self._call = self._stub.ModelStreamInfer(timeout=params.timeout_s,
-                                                            metadata=params.trace_context or None)
+            call = self._call = self._stub.ModelStreamInfer(
+                timeout=params.timeout_s, metadata=params.trace_context or None
+            )
         except grpc.aio.UsageError as exc:  # "Channel is closed": the backend restarted or stopped meanwhile
             raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, f"Triton: {exc} (backend restarting)") from exc
         return call
@@ -130,8 +131,9 @@ def _last(outputs: _Outputs, text: str, tokens: int, completion_tokens: int) -> 
         completion_tokens: tokens streamed before it.
 
     """
-    finished = Finished(outputs.text("finish_reason") or "stop", outputs.uint("num_input_tokens"),
-                        max(tokens, completion_tokens))
+    finished = Finished(
+        outputs.text("finish_reason") or "stop", outputs.uint("num_input_tokens"), max(tokens, completion_tokens)
+    )
     if not text:
         return (finished,)
     return Delta(text, max(tokens - completion_tokens, 0)), finished

@@ -121,20 +121,26 @@ async def events(stub: FakeStub, prompt: str = "hi") -> list[Delta | Finished]:
 
 
 async def test_a_generation_streams_non_ascii_deltas_then_finishes() -> None:
-    stub = FakeStub([
-        response(False, text_output=encode_bytes("Paris — "), num_output_tokens=uint32(2)),
-        response(False, text_output=encode_bytes("巴黎 🇫🇷"), num_output_tokens=uint32(3)),
-        response(True, finish_reason=encode_bytes("length"), num_input_tokens=uint32(4), num_output_tokens=uint32(5)),
-    ])
+    stub = FakeStub(
+        [
+            response(False, text_output=encode_bytes("Paris — "), num_output_tokens=uint32(2)),
+            response(False, text_output=encode_bytes("巴黎 🇫🇷"), num_output_tokens=uint32(3)),
+            response(
+                True, finish_reason=encode_bytes("length"), num_input_tokens=uint32(4), num_output_tokens=uint32(5)
+            ),
+        ]
+    )
     assert await events(stub) == [Delta("Paris — ", 2), Delta("巴黎 🇫🇷", 3), Finished("length", 4, 5)]
 
 
 @pytest.mark.parametrize("raw", [b"\x01\x00", b"\xff\x00\x00\x00short"])
 async def test_a_malformed_element_fails_the_generation_as_a_backend_error(raw: bytes) -> None:
-    stub = FakeStub([
-        response(False, text_output=encode_bytes("fine "), num_output_tokens=uint32(1)),
-        response(False, text_output=raw, num_output_tokens=uint32(1)),
-    ])
+    stub = FakeStub(
+        [
+            response(False, text_output=encode_bytes("fine "), num_output_tokens=uint32(1)),
+            response(False, text_output=raw, num_output_tokens=uint32(1)),
+        ]
+    )
     seen: list[Delta | Finished] = []
     with pytest.raises(BackendError) as info:
         async for event in TritonGeneration(stub, GenerationParams(model="m", prompt="hi")):  # type: ignore[arg-type]

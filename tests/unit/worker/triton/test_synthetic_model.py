@@ -77,9 +77,18 @@ def model_class(monkeypatch: pytest.MonkeyPatch) -> Any:
 def _phase_gaps(model_class: Any, shared_steps: str) -> list[float]:
     """Two streams started half a step apart: how far each response of the second is from the first's nearest."""
     model = model_class()
-    config = {"parameters": {k: {"string_value": v} for k, v in {
-        "tokens_per_s": "20", "responses_per_s": "20", "ttft_ms": "1", "sender_threads": "2",
-        "shared_steps": shared_steps}.items()}}
+    config = {
+        "parameters": {
+            k: {"string_value": v}
+            for k, v in {
+                "tokens_per_s": "20",
+                "responses_per_s": "20",
+                "ttft_ms": "1",
+                "sender_threads": "2",
+                "shared_steps": shared_steps,
+            }.items()
+        }
+    }
     model.initialize({"model_config": json.dumps(config)})
     try:
         first, second = _Sender(), _Sender()

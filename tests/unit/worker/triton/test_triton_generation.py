@@ -16,15 +16,23 @@ from tokenmesh.worker.triton._codec import encode_bytes
 from tokenmesh.worker.triton._generation import TritonGeneration
 
 
-def response(text: str = "", tokens: int = 0, *, final: bool = False, finish: str = "", prompt_tokens: int = 0,
-             raw_text: bytes | None = None) -> service_pb2.ModelStreamInferResponse:
+def response(
+    text: str = "",
+    tokens: int = 0,
+    *,
+    final: bool = False,
+    finish: str = "",
+    prompt_tokens: int = 0,
+    raw_text: bytes | None = None,
+) -> service_pb2.ModelStreamInferResponse:
     """One streamed response of the vLLM backend, its outputs as raw contents."""
     infer = service_pb2.ModelInferResponse()
-    outputs = [("text_output", encode_bytes(text) if raw_text is None else raw_text),
-               ("num_output_tokens", tokens.to_bytes(4, "little"))]
+    outputs = [
+        ("text_output", encode_bytes(text) if raw_text is None else raw_text),
+        ("num_output_tokens", tokens.to_bytes(4, "little")),
+    ]
     if final:
-        outputs += [("num_input_tokens", prompt_tokens.to_bytes(4, "little")),
-                    ("finish_reason", encode_bytes(finish))]
+        outputs += [("num_input_tokens", prompt_tokens.to_bytes(4, "little")), ("finish_reason", encode_bytes(finish))]
         infer.parameters["triton_final_response"].bool_param = True
     for name, raw in outputs:
         infer.outputs.add(name=name)
@@ -78,8 +86,9 @@ class Stub:
 def generation(script: list[Any]) -> tuple[TritonGeneration, Stub]:
     stub = Stub(script)
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    params = GenerationParams(model="m", prompt="p", request_id="r", timeout_s=5.0,
-                              trace_context=(("traceparent", traceparent),))
+    params = GenerationParams(
+        model="m", prompt="p", request_id="r", timeout_s=5.0, trace_context=(("traceparent", traceparent),)
+    )
     made = TritonGeneration(stub, params)  # type: ignore[arg-type]
     stub.generation.append(made)
     return made, stub
@@ -91,8 +100,15 @@ async def events(made: TritonGeneration) -> list[Delta | Finished]:
 
 
 async def test_deltas_then_the_final_responses_text_and_the_end_with_the_counts() -> None:
-    made, stub = generation([response("a", 1), response("", 0), response("b", 2),
-                             response("cd", 5, final=True, finish="length", prompt_tokens=7), grpc.aio.EOF])
+    made, stub = generation(
+        [
+            response("a", 1),
+            response("", 0),
+            response("b", 2),
+            response("cd", 5, final=True, finish="length", prompt_tokens=7),
+            grpc.aio.EOF,
+        ]
+    )
     assert await events(made) == [Delta("a", 1), Delta("b", 2), Delta("cd", 2), Finished("length", 7, 5)]
     assert stub.opened == [{"timeout": 5.0, "metadata": made._params.trace_context}]
     assert [r.id for r in stub.call.written] == ["r"] and stub.call.cancelled
@@ -120,11 +136,14 @@ async def test_a_stream_closed_before_the_final_response_is_a_backend_failure() 
     assert raised.value.message == "Triton closed the stream before the final response"
 
 
-@pytest.mark.parametrize(("code", "error_class"), [
-    (grpc.StatusCode.UNAVAILABLE, worker_pb2.ERROR_CLASS_UNAVAILABLE),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, worker_pb2.ERROR_CLASS_TIMEOUT),
-    (grpc.StatusCode.INTERNAL, worker_pb2.ERROR_CLASS_BACKEND),
-])
+@pytest.mark.parametrize(
+    ("code", "error_class"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, worker_pb2.ERROR_CLASS_UNAVAILABLE),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, worker_pb2.ERROR_CLASS_TIMEOUT),
+        (grpc.StatusCode.INTERNAL, worker_pb2.ERROR_CLASS_BACKEND),
+    ],
+)
 async def test_a_failed_call_is_a_backend_error_of_its_status(code: grpc.StatusCode, error_class: int) -> None:
     made, _ = generation([response("a", 1), rpc_error(code, "gone")])
     with pytest.raises(BackendError) as raised:

@@ -124,8 +124,9 @@ class _Lane:
 
 
 def _finish(stream: _Stream, reason: str) -> None:
-    stream.sender.send(_response("", reason, stream.prompt_tokens, stream.sent),
-                       flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    stream.sender.send(
+        _response("", reason, stream.prompt_tokens, stream.sent), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    )
 
 
 class TritonPythonModel:
