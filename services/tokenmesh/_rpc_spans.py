@@ -1,32 +1,39 @@
-"""RPC spans from ``opentelemetry-instrumentation-grpc``, with its aio interceptors' gaps closed.
+"""RPC spans as ``opentelemetry-instrumentation-grpc`` makes them, opened without a cost per message.
 
-Imported only when tracing is on (see :mod:`tokenmesh.tracing`). The
-instrumentation's aio interceptors give each call the standard span
-(``rpc.system``, ``rpc.service``, ``rpc.method``, ``rpc.grpc.status_code``)
-and carry the W3C context in the metadata; subclassed here because, as
-released (0.66b2):
+Imported only when tracing is on (see :mod:`tokenmesh.tracing`). Each call
+gets the instrumentation's span (its tracer, name, kind, ``rpc.system``,
+``rpc.service``, ``rpc.method``, ``rpc.grpc.status_code``) and the W3C
+context travels in the metadata, but not through its aio interceptors, which
+as released (0.66b2):
 
-- a server call that the caller cancels (or whose deadline passes) is
-  recorded with status code 0, OK: the handler sees ``CancelledError``, which
-  the interceptor does not catch;
-- a server-streaming handler written as a coroutine (``await
-  context.write(...)``, as the health ``Watch``) fails: the interceptor
-  iterates it with ``async for``;
-- a client span ends when its response iterator is exhausted, not when the
+- cost every message: the server interceptor re-yields each response through
+  a generator of its own, and any grpc.aio client interceptor puts the call
+  behind an ``Intercepted*Call`` (a task per call, a generator between the
+  reader and every message, a queue and two tasks per ``call.write()``);
+- record a server call that the caller cancels (or whose deadline passes)
+  with status code 0, OK: the handler sees ``CancelledError``, which the
+  interceptor does not catch;
+- fail on a server-streaming handler written as a coroutine (``await
+  context.write(...)``, as the health ``Watch``): the interceptor iterates it
+  with ``async for``;
+- end a client span when its response iterator is exhausted, not when the
   call ends: a stream whose reader stops after the last message it needs (the
   router's worker streams) ends its span at garbage collection, and a call
   cancelled meanwhile is recorded as OK; a cancelled unary call never ends
   its span (so it is never exported);
-- a bidirectional call written with ``call.write()`` leaves grpc.aio's
-  request-reader task waiting after the call ended, once any client
-  interceptor is on the channel ("Task was destroyed but it is pending!");
-- client spans name no server (``server.address``/``server.port``) and server
-  spans give the peer in the older ``net.peer.*`` names only.
+- leave grpc.aio's request-reader task of a bidirectional call written with
+  ``call.write()`` waiting after the call ended, once any client interceptor
+  is on the channel ("Task was destroyed but it is pending!");
+- name no server on client spans (``server.address``/``server.port``) and
+  give the peer of server spans in the older ``net.peer.*`` names only.
 
-Subclasses, not a span processor: a processor sees a span only once it ended,
-too late to set its outcome. The client span here ends on the call's done
-callback, when gRPC knows the final status; the call itself is returned
-unwrapped, so reading a stream costs nothing more when traced.
+Server (:class:`ServerSpans`): the span starts in the call's own task before
+the handler runs and is current there; gRPC gets the handler's own generator
+or coroutine, and the span ends from the context's done callback with the
+final code. Client (:class:`TracedChannel`, the mesh's channels): the span
+opens where the call is made and the caller gets the plain grpc.aio call; it
+ends from the call's done callback. Not a span processor: a processor sees a
+span only once it ended, too late to set its outcome.
 """
 
 from __future__ import annotations
