@@ -472,6 +472,18 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: MeshError) 
     await context.abort(error.grpc_code, error.wire_message, trailing_metadata=error.trailers())
 
 
+def _unexpected(context: grpc.aio.ServicerContext[Any, Any], error: Exception) -> None:
+    """An exception no MeshError: gRPC answers it UNKNOWN (and logs it); the context's code says so too.
+
+    gRPC itself leaves the context's code unset there, and the call's RPC span reads its outcome from the code
+    (:class:`tokenmesh._rpc_spans.ServerSpans`). The details name the exception's type only: its message may
+    quote a request.
+    """
+    if context.code() in (None, grpc.StatusCode.OK):
+        context.set_code(grpc.StatusCode.UNKNOWN)
+        context.set_details(f"unexpected {type(error).__name__}")
+
+
 Gate = Callable[[grpc.aio.ServicerContext[Any, Any]], None]
 
 
@@ -485,6 +497,11 @@ def _wrap_unary(
             return await behaviour(_checked(request) if streamed else _check(request), context)
         except MeshError as error:
             await _abort(context, error)
+        except grpc.aio.AbortError:  # the handler aborted: its code is set
+            raise
+        except Exception as error:
+            _unexpected(context, error)
+            raise
 
     return wrapped
 
@@ -502,5 +519,10 @@ def _wrap_stream(behaviour: Callable[..., Any], *, streamed: bool, gate: Gate | 
                 yield response
         except MeshError as error:
             await _abort(context, error)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:
+            _unexpected(context, error)
+            raise
 
     return wrapped

@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives import serialization
 
 from tokenmesh.config import ConfigError, check, setting
 from tokenmesh.errors import PermissionDenied
-from tokenmesh.tracing import Tracing, client_interceptors
+from tokenmesh.tracing import Tracing, traced_channel
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +111,14 @@ def open_channel(
 ) -> grpc.aio.Channel:
     """A channel to address: plaintext without credentials, else TLS (every channel to a mesh peer opens here).
 
-    With tracing on, each call on it gets an RPC span (:func:`tokenmesh.tracing.client_interceptors`); off, the
-    channel has no interceptor at all.
+    With tracing on, each call on it gets an RPC span (:func:`tokenmesh.tracing.traced_channel`); the channel
+    has no grpc.aio interceptor, on or off.
     """
-    interceptors = client_interceptors(tracing, address) or None
     if credentials is None:
-        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+        channel = grpc.aio.insecure_channel(address, options=options)
+    else:
+        channel = grpc.aio.secure_channel(address, credentials, options=options)
+    return traced_channel(tracing, channel, address)
 
 
 class Tls:

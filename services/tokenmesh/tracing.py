@@ -6,7 +6,7 @@ generation's span its child; the router's call to the worker (a client RPC
 span, the generation span's child) carries the context on to the worker's RPC
 server span and its generation span. The RPC spans come from
 ``opentelemetry-instrumentation-grpc`` (:mod:`tokenmesh._rpc_spans`), on every
-server (:func:`server_interceptors`) and channel (:func:`client_interceptors`)
+server (:func:`server_interceptors`) and channel (:func:`traced_channel`)
 of the mesh, and only while tracing is on: off, no interceptor is added at
 all (and the instrumentation is not imported). Span names and attributes follow the GenAI semantic conventions
 (``{operation} {model}``, ``gen_ai.request.model``, ``gen_ai.usage.*``...),
@@ -109,13 +109,24 @@ def server_interceptors(tracing: Tracing | None) -> list[grpc.aio.ServerIntercep
     return [server_interceptor(tracing.provider)]
 
 
-def client_interceptors(tracing: Tracing | None, target: str) -> list[grpc.aio.ClientInterceptor]:
-    """A channel's RPC span interceptors (``server.address`` from target); none while tracing is off.
+def traced_channel(tracing: Tracing | None, channel: grpc.aio.Channel, target: str) -> grpc.aio.Channel:
+    """The channel, with an RPC span on each call (``server.address`` from target) while tracing is on.
 
-    The one place every channel of the mesh gets them (:func:`tokenmesh.tls.open_channel`). A ``traceparent``
-    the caller puts in a call's metadata is the client span's parent (the gateway's request span, the router's
-    generation span); otherwise the current span is.
+    The one place every channel of the mesh gets them (:func:`tokenmesh.tls.open_channel`): a wrapper that opens
+    the span where the call is made and hands back the plain grpc.aio call (``_rpc_spans.TracedChannel``), not a
+    grpc.aio client interceptor, which costs every call a task and every message a generator. A
+    ``traceparent`` the caller puts in a call's metadata is the client span's parent (the gateway's request span,
+    the router's generation span); otherwise the current span is.
     """
+    if tracing is None or not tracing.on:
+        return channel
+    from tokenmesh._rpc_spans import traced_channel as traced  # the instrumentation loads only when on
+
+    return traced(channel, tracing.provider, target)
+
+
+def client_interceptors(tracing: Tracing | None, target: str) -> list[grpc.aio.ClientInterceptor]:
+    """The same client spans as grpc.aio client interceptors, for a channel opened elsewhere; none while off."""
     if tracing is None or not tracing.on:
         return []
     from tokenmesh._rpc_spans import client_interceptors as interceptors

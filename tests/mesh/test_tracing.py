@@ -228,6 +228,10 @@ async def test_a_stream_the_client_cancels_is_recorded_cancelled_on_both_sides(r
 
 
 async def test_with_tracing_off_no_server_or_channel_gets_an_interceptor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from grpc.aio._interceptor import InterceptedCall
+
+    from tokenmesh._rpc_spans import TracedChannel
+    from tokenmesh.tls import open_channel
     from tokenmesh.tracing import Tracing, client_interceptors, server_interceptors
 
     servers: list[object] = []
@@ -258,7 +262,14 @@ async def test_with_tracing_off_no_server_or_channel_gets_an_interceptor(monkeyp
     on = Tracing("router", enabled=True)
     try:
         assert [type(i).__name__ for i in server_interceptors(on)] == ["ServerSpans"]
-        assert len(client_interceptors(on, "127.0.0.1:1")) == 4  # one per call shape
+        assert len(client_interceptors(on, "127.0.0.1:1")) == 4  # one per call shape, for channels opened elsewhere
+        # On, the mesh's channels are wrapped, still without a grpc.aio interceptor: their calls are plain calls.
+        channel = open_channel("127.0.0.1:1", None, (), on)
+        assert isinstance(channel, TracedChannel) and channels[-1] is None
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(inference_pb2.GenerateRequest(prompt="x"))
+        assert not isinstance(call, InterceptedCall)
+        call.cancel()
+        await channel.close()
     finally:
         on.shutdown()
 
@@ -312,3 +323,65 @@ async def test_an_untraced_router_passes_the_callers_context_on_and_keeps_its_sp
     assert len(worker_spans) == 2
     assert all(w.trace_id.hex() == TRACE_ID and w.parent_span_id.hex() == PARENT_ID for w in worker_spans)
     assert any(spare is not None for spare in spares)  # untraced, the router keeps opening calls ahead of need
+
+
+async def test_a_server_span_runs_no_code_per_message_and_ends_with_the_calls_outcome() -> None:
+    import sys
+
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tokenmesh._rpc_spans import ServerSpans, _tracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    current: dict[bytes, int] = {}
+    callers: set[str] = set()
+
+    async def generate(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[bytes]:
+        current[request] = trace.get_current_span().get_span_context().span_id
+        for _ in range(2):
+            frame = sys._getframe(1)  # who asks this generator for its next message, up to gRPC
+            while frame is not None:
+                callers.add(frame.f_code.co_filename)
+                frame = frame.f_back
+            yield b"m"
+            if request == b"bug":
+                raise RuntimeError("a handler's bug")
+            if request == b"slow":
+                await asyncio.sleep(5)
+
+    handler = grpc.unary_stream_rpc_method_handler(generate)
+    server = grpc.aio.server(interceptors=[ServerSpans(_tracer(provider)), ErrorInterceptor()])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", {"Generate": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call: Any = channel.unary_stream("/t.S/Generate")
+            assert [m async for m in call(b"ok")] == [b"m", b"m"]
+            for request, code in ((b"bug", grpc.StatusCode.UNKNOWN), (b"slow", grpc.StatusCode.DEADLINE_EXCEEDED)):
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    [m async for m in call(request, timeout=0.5)]
+                assert raised.value.code() == code
+            for _ in range(50):  # the slow call's span ends once its task is cancelled
+                if len(exporter.get_finished_spans()) == 3:
+                    break
+                await asyncio.sleep(0.1)
+    finally:
+        await server.stop(None)
+    # Between gRPC and the handler: the error interceptor's generator only, no span code on a message's way.
+    assert not [f for f in callers if f.endswith("_rpc_spans.py")], callers
+    spans = {span.context.span_id: span for span in exporter.get_finished_spans()}
+    ok, bug, slow = (spans[current[request]] for request in (b"ok", b"bug", b"slow"))  # each current in its handler
+    assert ok.kind == trace.SpanKind.SERVER and ok.name == "/t.S/Generate"
+    assert ok.attributes is not None and ok.attributes["rpc.service"] == "t.S"
+    assert ok.attributes["rpc.grpc.status_code"] == 0 and ok.attributes["network.peer.address"] == "127.0.0.1"
+    assert bug.attributes is not None and bug.attributes["rpc.grpc.status_code"] == grpc.StatusCode.UNKNOWN.value[0]
+    assert bug.status.status_code == trace.StatusCode.ERROR and "RuntimeError" in (bug.status.description or "")
+    assert "a handler's bug" not in (bug.status.description or "")  # the type only: a message may quote a request
+    assert slow.attributes is not None and slow.attributes["rpc.grpc.status_code"] == 4  # DEADLINE_EXCEEDED
+    provider.shutdown()
