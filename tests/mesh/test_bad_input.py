@@ -302,6 +302,13 @@ CASES: dict[str, dict[str, Case]] = {
         ),
         "worker-cancel-empty-id": Case(worker_cancel(""), INVALID, ("request_id is required",)),
     },
+    "Worker/Link": {
+        "undecodable-link-commands": Case(
+            raw_stream("/tokenmesh.v1.Worker/Link", b"\xff\xff\xff", on_worker=True),
+            INVALID,
+            ("not a valid tokenmesh.v1.LinkCommands",),
+        ),
+    },
     # Bytes that are no message of the request type; ListModels stands for every unary RPC of every service.
     "Inference/ListModels": {
         "undecodable-request": Case(

@@ -12,7 +12,7 @@ from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
 from tokenmesh import logs
-from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable, label
+from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable, Unimplemented, label
 from tokenmesh.tracing import from_mapping, inject, parent
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.validation import check_max_tokens, check_request, require_request_id
@@ -331,6 +331,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not self.registry.cancel(request.request_id):
             raise NotFound(f"no generation {request.request_id!r} on this worker")
         return inference_pb2.CancelResponse(cancelled=True)
+
+    async def Link(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[worker_pb2.LinkCommands], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[worker_pb2.LinkEvents]:
+        """Not served yet: UNIMPLEMENTED, as from a worker that predates the call (routers use Generate)."""
+        await anext(aiter(request_iterator), None)  # a message that does not parse is INVALID_ARGUMENT first
+        raise Unimplemented("Worker/Link is not served by this worker; use Worker/Generate", reason="LINK_UNSUPPORTED")
+        yield worker_pb2.LinkEvents()  # pragma: no cover - makes this an async generator, as the other streams
 
     async def Stats(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[worker_pb2.StatsPing], context: grpc.aio.ServicerContext[Any, Any]
