@@ -123,9 +123,10 @@ class WorkerServicer:
         up in one LinkEvents. A stream ends with one LinkEnd; per-stream errors
         never end the call. When the call ends, resumable generations run on for
         Attach and the others are cancelled, as when a Generate stream drops.
-        When the router half-closes, the worker ends the call once every stream
-        on it has ended. A worker that predates it answers UNIMPLEMENTED: the
-        router falls back to Generate.
+        When the router half-closes, it can grant no more credit: the worker
+        sends every stream on to its end without credit, then ends the call.
+        A worker that predates it answers UNIMPLEMENTED: the router falls back
+        to Generate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
