@@ -27,6 +27,7 @@ from tokenmesh.retry import Reconnect, StreamEnded, failure_name
 from tokenmesh.router._admission import Admission
 from tokenmesh.router._config import RouterConfig
 from tokenmesh.router._inference import InferenceServicer
+from tokenmesh.router._link import LINK
 from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._peers import FORWARDED, Peers
 from tokenmesh.router._pool import WorkerPool
@@ -212,7 +213,10 @@ class Router(Service):
     def _watch(self, address: str, found_by: str = "static") -> None:
         self.pool.add(address, found_by)  # one discovery had let go is taken back
         if address not in self.links:
-            self.links.open(address).run("health watch", self._watch_worker)
+            link = self.links.open(address)
+            link.run("health watch", self._watch_worker)
+            if self.config.worker_link == "auto":
+                link.run(LINK, self.inference.sessions.run)
 
     def _found(self, address: str, name: str) -> None:
         self._watch(address, f"dns {name}")

@@ -53,6 +53,8 @@ UNLIMITED = 2**62
 
 Begin = Callable[[worker_pb2.WorkerCommand], tuple[Record, trace.Span]]
 """Admits, traces and starts a generation from a start command (or raises the MeshError Generate would end with)."""
+Stop = Callable[[Record], None]
+"""A cancel command: stops the generation and forgets it (it cannot be resumed), as on Generate."""
 Release = Callable[[Record, bool], None]
 """The stream is over: (record, resumable) -> forget it, cancel it, or leave it for Attach."""
 
@@ -82,7 +84,9 @@ class Linked:
     span: trace.Span
     resumable: bool
     window: int
-    """The credit it started with: a chunk larger than that may go while nothing is outstanding (no deadlock)."""
+    """The credit it started with. A chunk larger than the credit left may go while that is at least 3/4 of the
+    window: the router keeps back less than a quarter of it unreturned, so once it has read everything sent, the
+    credit is there, and a merged chunk larger than the credit cannot wait for ever."""
     credit: int
     position: int = 0
     """Events of the record the link took (0-based, as Record.stream's position)."""
@@ -123,6 +127,7 @@ class WorkerLink:
 
     Args:
         begin: starts a generation as Generate does (admission, span, record).
+        stop: what a cancel command does on Generate.
         release: what Generate does when its stream ends.
 
     """
@@ -138,8 +143,9 @@ class WorkerLink:
     """The router half-closed: the call ends once every stream has (starts are no longer possible)."""
     _wake: asyncio.Future[None] | None
 
-    def __init__(self, begin: Begin, release: Release) -> None:
+    def __init__(self, begin: Begin, stop: Stop, release: Release) -> None:
         self._begin = begin
+        self._stop = stop
         self._release = release
         self.streams = {}
         self.ready = {}
@@ -224,7 +230,7 @@ class WorkerLink:
         if linked is None:
             return  # a cancel or detach racing the stream's end
         if kind == "cancel":
-            linked.record.generation.cancel()  # it ends with finish_reason CANCELLED, sent as its end
+            self._stop(linked.record)  # it ends with finish_reason CANCELLED, sent as its end
         elif kind == "detach":
             self._drop(linked)  # nothing more is sent for it
 
@@ -289,7 +295,7 @@ class WorkerLink:
             event = record.events[linked.position - record.evicted]
             if event.HasField("chunk"):
                 cost = len(event.chunk.text.encode()) + CHUNK_OVERHEAD
-                if cost > linked.credit and linked.credit < linked.window:
+                if cost > linked.credit and linked.credit < linked.window - linked.window // 4:
                     return False  # starved: the grant marks it again
                 if cost > batch.budget and (batch.streams or batch.ends):
                     return True

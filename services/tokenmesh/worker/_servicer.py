@@ -298,9 +298,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _watch_commands(self, commands: AsyncIterator[worker_pb2.WorkerCommand], record: Record) -> None:
         """Stop the generation when its stream sends a cancel (while the record is still this stream's)."""
         async for command in commands:
-            if command.WhichOneof("command") == "cancel" and self.registry.records.get(record.request_id) is record:
-                self.registry.cancel(record.request_id)
+            if command.WhichOneof("command") == "cancel":
+                self._stop(record)
                 return
+
+    def _stop(self, record: Record) -> None:
+        """A cancel command: stop and forget the generation (if the record is still the one held by its id)."""
+        if self.registry.records.get(record.request_id) is record:
+            self.registry.cancel(record.request_id)
 
     def _release(self, record: Record, *, resumable: bool) -> None:
         """The stream is over: a generation no one will resume is forgotten (delivered) or cancelled (caller gone)."""
@@ -333,7 +338,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request_iterator: AsyncIterator[worker_pb2.LinkCommands], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.LinkEvents]:
         """Every generation of one router on one call: starts, cancels and credit in; batched chunks and ends out."""
-        link = WorkerLink(self._begin, lambda record, resumable: self._release(record, resumable=resumable))
+        link = WorkerLink(self._begin, self._stop, lambda record, resumable: self._release(record, resumable=resumable))
         async for events in link.run(request_iterator):
             yield events
 
