@@ -15,7 +15,7 @@ from tests.support.tcp_proxy import TcpProxy
 from tokenmesh.errors import Unimplemented
 from tokenmesh.router import Router, RouterConfig
 from tokenmesh.router._spares import SPARE
-from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
 from tokenmesh.worker import Worker, WorkerConfig, WorkerServicer
 
 
@@ -34,6 +34,12 @@ async def collect(mesh: InProcessMesh, **fields: Any) -> list[inference_pb2.Gene
     return [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(**fields))]
 
 
+async def links(mesh: InProcessMesh) -> list[str]:
+    """RoutingEntry.link of each worker, as GetRoutingTable says."""
+    table = await mesh.operator.GetRoutingTable(router_pb2.GetRoutingTableRequest())
+    return [w.link for w in table.workers]
+
+
 def spares(router: Router) -> list[Any]:
     return [c for _, link in router.links.items() if (c := link.held(SPARE)) is not None]
 
@@ -48,6 +54,7 @@ async def test_generations_share_one_link_per_worker_with_exact_seq_and_no_call_
         assert all(len(b.started) > 0 for b in mesh.backends)  # spread over both workers
         assert not spares(mesh.router)  # no Worker/Generate call was opened
         assert mesh.router.inference.sessions.modes == {w.host.address: "batched" for w in mesh.workers}
+        assert await links(mesh) == ["batched", "batched"]
 
 
 async def test_the_callers_deadline_reaches_the_engine_through_the_link() -> None:
@@ -160,3 +167,11 @@ async def test_a_worker_without_link_gets_a_generate_call_per_generation(monkeyp
         assert mesh.router.inference.sessions.modes == {w.host.address: "per-generation" for w in mesh.workers}
         assert_exact(await collect(mesh, prompt="hello", max_tokens=12), 12)
         assert spares(mesh.router)  # the per-generation path: a Generate call opened ahead
+        assert await links(mesh) == ["per-generation", "per-generation"]
+
+
+async def test_with_the_link_off_every_worker_gets_a_generate_call_per_generation() -> None:
+    async with in_process_mesh(worker_link="off") as mesh:
+        assert_exact(await collect(mesh, prompt="hello", max_tokens=5), 5)
+        assert spares(mesh.router) and not mesh.router.inference.sessions.modes
+        assert await links(mesh) == ["per-generation", "per-generation"]
