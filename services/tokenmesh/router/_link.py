@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 SETTINGS_WAIT_S = 5.0
 """How long a new link waits for the worker's LinkSettings before it counts as broken."""
+DEFAULT_MAX_BATCH_BYTES = 256 * 1024
+"""The router's bound on one LinkCommands when the worker's settings name none."""
 CHUNK_OVERHEAD = 16
 """Credit a chunk costs beyond its text's bytes (as the worker counts it)."""
 LINK = "worker link"
@@ -211,13 +213,30 @@ class LinkSession:
             self._flush.clear()
             credit, self._credit = self._credit, {}
             message = worker_pb2.LinkCommands(
-                commands=self._commands, credit_stream=list(credit), credit_bytes=list(credit.values())
+                commands=self._take_commands(), credit_stream=list(credit), credit_bytes=list(credit.values())
             )
-            self._commands = []
+            if self._commands:
+                self._flush.set()  # the rest goes in the next message
             try:
                 await self.call.write(message)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
                 return  # the call ended: the reader sees how, and fails the attempts
+
+    def _take_commands(self) -> list[worker_pb2.LinkCommand]:
+        """The pending commands that fit in max_batch_bytes (at least one).
+
+        Many big prompts queued during one write must not make a message over the call's limit, which would end
+        the link and every stream on it.
+        """
+        limit = self.settings.max_batch_bytes or DEFAULT_MAX_BATCH_BYTES
+        size = 0
+        for taken, command in enumerate(self._commands):
+            size += command.ByteSize()
+            if size > limit and taken:
+                batch, self._commands = self._commands[:taken], self._commands[taken:]
+                return batch
+        batch, self._commands = self._commands, []
+        return batch
 
     async def read_loop(self) -> None:
         """Deliver every message to its attempts until the call ends (then raise how it ended)."""
