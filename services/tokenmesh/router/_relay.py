@@ -283,9 +283,17 @@ class Relay:
         finally:
             watchdog.stop()
             live.call = None
-            call.cancel()
-            if not finished and not detach:  # the worker would run it on for no one
-                self._cancels.abandon(entry.address, forward.request_id)
+            self._let_go(call, entry.address, start, stop_worker=not finished and not detach)
+
+    def _let_go(self, call: WorkerCall, address: str, start: worker_pb2.WorkerCommand, *, stop_worker: bool) -> None:
+        """The attempt is over here: close its call; with stop_worker, stop what the worker would run for no one.
+
+        On a link, closing detaches the stream, which stops a generation that is not resumable (as the link's end
+        does): only a resumable one is cancelled by request_id.
+        """
+        call.cancel()
+        if stop_worker and (start.resumable or not isinstance(call, Attempt)):
+            self._cancels.abandon(address, start.start.request_id)
 
     def _open(self, address: str, start: worker_pb2.WorkerCommand, trace_context: dict[str, str] | None) -> WorkerCall:
         """The attempt's stream: on the worker's Link when one is open, else a Generate call (a spare, untraced).
