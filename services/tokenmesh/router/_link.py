@@ -306,7 +306,7 @@ class LinkSessions:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     await self._per_generation(link.address)
                 failure = exc
-            except (ConnectionError, TimeoutError) as exc:
+            except Exception as exc:  # whatever broke the link, it must not stop the router
                 failure = exc
             await reconnect.failed(failure, retry_on=lambda _: True)
 
@@ -339,6 +339,11 @@ class LinkSessions:
         serving.add_done_callback(_ended)
         try:
             await asyncio.shield(serving)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and not task.cancelling():  # the call was cancelled under it, not this task
+                raise ConnectionError("the link's call was cancelled") from None
+            raise
         finally:
             if self.sessions.get(link.address) is session:
                 del self.sessions[link.address]

@@ -177,7 +177,7 @@ class WorkerLink:
                 await self._idle()
         finally:
             reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, MeshError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # raised above already, where it mattered
                 await reader
             for linked in list(self.streams.values()):
                 self._drop(linked)
