@@ -175,3 +175,27 @@ async def test_with_the_link_off_every_worker_gets_a_generate_call_per_generatio
         assert_exact(await collect(mesh, prompt="hello", max_tokens=5), 5)
         assert spares(mesh.router) and not mesh.router.inference.sessions.modes
         assert await links(mesh) == ["per-generation", "per-generation"]
+
+
+async def test_callers_that_stop_reading_hold_back_only_their_own_generations_on_a_shared_link() -> None:
+    settings = {"delay": 0.001, "max_context": 4096}
+    async with in_process_mesh(worker_link="auto", stall_timeout_s=0.5, backend_settings=settings) as mesh:
+        # A small window on the slow callers' side: the router soon waits on them, with their streams' credit spent.
+        options = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 4096))
+        async with grpc.aio.insecure_channel(mesh.router.host.address, options=options) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            slow = [stub.Generate(inference_pb2.GenerateRequest(prompt=f"s{i}", max_tokens=1500)) for i in range(2)]
+            got = [[await call.read()] for call in slow]
+            fast = await asyncio.wait_for(
+                asyncio.gather(*(collect(mesh, prompt=f"f{i}", max_tokens=200) for i in range(6))), 10
+            )
+            for chunks in fast:
+                assert_exact(chunks, 200)
+            assert all(b.started for b in mesh.backends)  # slow and fast callers shared both links
+            await asyncio.sleep(1.5)  # three stall windows without reading
+            for call, chunks in zip(slow, got, strict=True):
+                while (chunk := await call.read()) is not grpc.aio.EOF:
+                    chunks.append(chunk)
+        for chunks in got:
+            assert_exact(chunks, 1500)
+            assert chunks[-1].migrations == 0  # a slow caller is not a stalled worker
