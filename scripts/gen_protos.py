@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import google.rpc.status_pb2
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,12 +26,15 @@ INIT = '"""Generated from protos/tokenmesh/v1 by scripts/gen_protos.py. Do not e
 def generate(dest: Path) -> None:
     """Write *_pb2.py, *_pb2_grpc.py and *_pb2.pyi for every proto into dest."""
     include = Path(protoc.__file__).parent / "_proto"
+    # google/rpc/status.proto (a Link end's status) ships with googleapis-common-protos, beside its generated code.
+    googleapis = Path(google.rpc.status_pb2.__file__).parents[2]
     with tempfile.TemporaryDirectory() as tmp:
         protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_DIR.glob("*.proto"))
         args = [
             "protoc",
             f"-I{PROTO_ROOT}",
             f"-I{include}",
+            f"-I{googleapis}",
             f"--python_out={tmp}",
             f"--grpc_python_out={tmp}",
             f"--pyi_out={tmp}",

@@ -283,6 +283,30 @@ def from_rpc_error(error: grpc.aio.AioRpcError | _Call) -> MeshError:
     return cls(message, **facts)
 
 
+_CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(status: status_pb2.Status) -> grpc.StatusCode:
+    """The gRPC code of a ``google.rpc.Status`` (UNKNOWN for a number gRPC does not define)."""
+    return _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+
+
+def rpc_error(status: status_pb2.Status) -> grpc.aio.AioRpcError:
+    """The error a call that ended with status raises: its code, message and details in the trailers.
+
+    A logical stream that ends with a status (a ``Worker/Link`` stream's
+    ``LinkEnd.status``) raises this, so its reader classifies it with the same
+    code as a call's: :func:`from_rpc_error`, the retry and failover rules.
+    """
+    trailers = grpc.aio.Metadata((rpc_status.GRPC_DETAILS_METADATA_KEY, status.SerializeToString()))
+    return grpc.aio.AioRpcError(status_code(status), grpc.aio.Metadata(), trailers, details=status.message)
+
+
+def from_status(status: status_pb2.Status) -> MeshError:
+    """The mesh's error for a ``google.rpc.Status``: :meth:`MeshError.status` inverted, as from_rpc_error."""
+    return from_rpc_error(rpc_error(status))
+
+
 def _details(error: grpc.aio.AioRpcError | _Call) -> dict[str, Any]:
     """The keyword arguments of a MeshError from a status's ``google.rpc.Status`` details."""
     facts: dict[str, Any] = {"domain": ""}

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from tests.support.mesh import InProcessMesh
+from tokenmesh.errors import rpc_error
 from tokenmesh.v1 import (
     inference_pb2,
     router_pb2,
@@ -138,6 +139,27 @@ def worker_generate(*commands: worker_pb2.WorkerCommand) -> Callable[[InProcessM
             return await read_rest(call)
 
     return send
+
+
+def worker_link(*commands: worker_pb2.LinkCommand) -> Callable[[InProcessMesh], Awaitable[Any]]:
+    """A Link carrying commands; the first stream that ends with a status raises it as its own call would."""
+
+    async def send(mesh: InProcessMesh) -> Any:
+        async with grpc.aio.insecure_channel(mesh.workers[0].host.address) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).Link(timeout=5)
+            await call.write(worker_pb2.LinkCommands(commands=commands))
+            await call.done_writing()
+            messages = await read_rest(call)
+        for end in (end for message in messages for end in message.ends):
+            if end.HasField("status"):
+                raise rpc_error(end.status)
+        return messages
+
+    return send
+
+
+def link_start(stream: int = 1, **fields: Any) -> worker_pb2.LinkCommand:
+    return worker_pb2.LinkCommand(stream=stream, start=start(**fields))
 
 
 def start(**fields: Any) -> worker_pb2.WorkerCommand:
@@ -301,6 +323,27 @@ CASES: dict[str, dict[str, Case]] = {
             worker_cancel("never-started"), NOT_FOUND, ("no generation 'never-started' on this worker",)
         ),
         "worker-cancel-empty-id": Case(worker_cancel(""), INVALID, ("request_id is required",)),
+    },
+    "Worker/Link": {
+        "worker-link-no-request-id": Case(
+            worker_link(link_start(prompt="p", request_id="")),
+            INVALID,
+            ("start.request_id is required (the router assigns one)",),
+        ),
+        "worker-link-unknown-model": Case(
+            worker_link(link_start(prompt="p", model="nope")),
+            NOT_FOUND,
+            ("model 'nope' is not served here; served: fake",),
+        ),
+        "worker-link-max-tokens-0": Case(worker_link(link_start(prompt="p", max_tokens=0)), INVALID, ("max_tokens",)),
+        "worker-link-stream-0": Case(
+            worker_link(link_start(0, prompt="p")), INVALID, ("stream 0 is not above 0", "stream ids are > 0")
+        ),
+        "undecodable-link-commands": Case(
+            raw_stream("/tokenmesh.v1.Worker/Link", b"\xff\xff\xff", on_worker=True),
+            INVALID,
+            ("not a valid tokenmesh.v1.LinkCommands",),
+        ),
     },
     # Bytes that are no message of the request type; ListModels stands for every unary RPC of every service.
     "Inference/ListModels": {

@@ -179,30 +179,32 @@ async def test_deadline_travels_to_the_worker(mesh: InProcessMesh) -> None:
     await wait_until(lambda: all(w.servicer.in_flight == 0 for w in mesh.workers))
 
 
-async def test_worker_calls_are_opened_ahead_and_carry_the_callers_deadline(mesh: InProcessMesh) -> None:
-    timeouts: list[float | None] = []
-    for backend in mesh.backends:
+async def test_worker_calls_are_opened_ahead_and_carry_the_callers_deadline() -> None:
+    # The spares are the per-generation path's (Worker/Generate); with the link on, no call is opened per generation.
+    async with in_process_mesh(worker_link="off") as mesh:
+        timeouts: list[float | None] = []
+        for backend in mesh.backends:
 
-        def recording(params, original=backend.generate):  # type: ignore[no-untyped-def]
-            timeouts.append(params.timeout_s)
-            return original(params)
+            def recording(params, original=backend.generate):  # type: ignore[no-untyped-def]
+                timeouts.append(params.timeout_s)
+                return original(params)
 
-        backend.generate = recording  # type: ignore[method-assign]
-    request = inference_pb2.GenerateRequest(prompt="hello", max_tokens=2)
-    assert [c.seq async for c in mesh.inference.Generate(request, timeout=30)] == [1, 2, 3]
-    # The call to the worker was opened before the caller came (no deadline of its own):
-    # the caller's deadline reaches the engine through the start command.
-    # The server's remaining time can read a little above the 30 s the client set (30.098 s seen).
-    assert timeouts[0] is not None and 25 < timeouts[0] <= 31
+            backend.generate = recording  # type: ignore[method-assign]
+        request = inference_pb2.GenerateRequest(prompt="hello", max_tokens=2)
+        assert [c.seq async for c in mesh.inference.Generate(request, timeout=30)] == [1, 2, 3]
+        # The call to the worker was opened before the caller came (no deadline of its own):
+        # the caller's deadline reaches the engine through the start command.
+        # The server's remaining time can read a little above the 30 s the client set (30.098 s seen).
+        assert timeouts[0] is not None and 25 < timeouts[0] <= 31
 
-    def spares() -> list[Any]:
-        return [c for _, link in mesh.router.links.items() if (c := link.held(SPARE)) is not None]
+        def spares() -> list[Any]:
+            return [c for _, link in mesh.router.links.items() if (c := link.held(SPARE)) is not None]
 
-    assert len(spares()) == 1  # for the worker that ran it, opened once its start was sent
-    first = spares()[0]
-    assert not first.done()
-    for _ in range(4):  # spread over both workers
-        await collect(mesh, prompt="hello", max_tokens=2)
-    assert timeouts[1:] == [None] * 4  # no deadline: none for the engine either
-    # That spare carried a later generation and is done; each worker has a new one open.
-    assert first.done() and len(spares()) == 2 and not any(c.done() or c is first for c in spares())
+        assert len(spares()) == 1  # for the worker that ran it, opened once its start was sent
+        first = spares()[0]
+        assert not first.done()
+        for _ in range(4):  # spread over both workers
+            await collect(mesh, prompt="hello", max_tokens=2)
+        assert timeouts[1:] == [None] * 4  # no deadline: none for the engine either
+        # That spare carried a later generation and is done; each worker has a new one open.
+        assert first.done() and len(spares()) == 2 and not any(c.done() or c is first for c in spares())

@@ -63,6 +63,24 @@ worker_commands = st.builds(
     tokens_before=st.integers(0, 2**32 - 1),
     resumable=st.booleans(),
 )
+link_commands = st.builds(
+    worker_pb2.LinkCommands,
+    commands=st.lists(
+        st.one_of(
+            st.builds(
+                worker_pb2.LinkCommand,
+                stream=st.integers(0, 2**64 - 1),
+                start=worker_commands,
+                window_bytes=st.integers(0, 2**32 - 1),
+            ),
+            st.builds(worker_pb2.LinkCommand, stream=st.integers(0, 3), cancel=st.just(worker_pb2.CancelGeneration())),
+            st.builds(worker_pb2.LinkCommand, stream=st.integers(0, 3), detach=st.just(worker_pb2.LinkDetach())),
+        ),
+        max_size=4,
+    ),
+    credit_stream=st.lists(st.integers(0, 2**64 - 1), max_size=4),
+    credit_bytes=st.lists(st.integers(0, 2**32 - 1), max_size=4),
+)
 
 # (method, kind, message strategy): kind is how the method takes its request.
 TARGETS = [
@@ -81,6 +99,7 @@ WORKER_TARGETS = [
         st.builds(worker_pb2.AttachRequest, request_id=texts, after_seq=st.integers(0, 2**64 - 1)),
     ),
     ("/tokenmesh.v1.Worker/Cancel", "unary_unary", cancel_requests),
+    ("/tokenmesh.v1.Worker/Link", "stream_stream", link_commands),
     ("/tokenmesh.v1.Worker/Stats", "stream_stream", st.builds(worker_pb2.StatsPing, ping_id=st.integers(0, 2**64 - 1))),
     ("/tokenmesh.v1.Worker/Describe", "unary_unary", st.just(worker_pb2.DescribeRequest())),
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,9 @@ from tokenmesh.v1 import inference_pb2_grpc, router_pb2_grpc, worker_pb2, worker
 from tokenmesh.worker import Worker, WorkerConfig
 
 from .fakes import FakeBackend
+
+LINK_ENV = "TOKENMESH_TEST_WORKER_LINK"
+"""auto or off: the default ``worker_link`` of the in-process meshes' routers."""
 
 
 @dataclass
@@ -61,7 +65,12 @@ async def in_process_mesh(
     backend_settings: dict[str, Any] | None = None,
     **router_settings: object,
 ) -> AsyncIterator[InProcessMesh]:
-    """Two workers over FakeBackend and a router (no prober: even split over healthy workers)."""
+    """Two workers over FakeBackend and a router (no prober: even split over healthy workers).
+
+    The router's ``worker_link`` defaults to ``$TOKENMESH_TEST_WORKER_LINK`` (else the router's default), so a mesh
+    suite runs both ways; with the link on, the mesh is ready once each worker's link is open (or refused).
+    """
+    router_settings.setdefault("worker_link", os.environ.get(LINK_ENV, "off"))
     backends = [FakeBackend(**(backend_settings or {})), FakeBackend(**(backend_settings or {}))]
     workers = [Worker(WorkerConfig(port=0, drain_grace_s=1, **(worker_settings or {})), backend=b) for b in backends]
     router: Router | None = None
@@ -76,6 +85,9 @@ async def in_process_mesh(
         channel = grpc.aio.insecure_channel(router.host.address)
         pool = router.pool
         await wait_until(lambda: all(e.healthy and e.models for e in pool.entries.values()))
+        if router_settings["worker_link"] == "auto":
+            modes = router.inference.sessions.modes  # "batched" once a link is open; an old worker's "per-generation"
+            await wait_until(lambda: all(w.host.address in modes for w in workers))
         for b in backends:
             b.started.clear()  # forget the warm-up generations
         yield InProcessMesh(router, workers, backends, channel)

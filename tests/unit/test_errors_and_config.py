@@ -260,3 +260,33 @@ async def test_every_mesh_error_survives_the_wire_and_comes_back_as_itself() -> 
     )
     assert type(unknown) is Internal and unknown.message == "DATA_LOSS: bits lost"
     assert unknown.domain == "" and not unknown.answered and unknown.reason == "INTERNAL"
+
+
+def test_every_mesh_error_survives_a_status_and_the_error_a_call_would_raise_with_it() -> None:
+    """A Link stream's end carries a google.rpc.Status: from_status and rpc_error read it as a call's end."""
+    import grpc
+
+    from tokenmesh.errors import ERRORS, FieldViolation, from_rpc_error, from_status, rpc_error
+
+    for cls in ERRORS:
+        error = cls(f"{cls.__name__} happened", reason="WHY", field="prompt", metadata={"worker": "w"}, retry_delay=1.5)
+        raised = rpc_error(error.status())
+        assert raised.code() is cls.grpc_code and raised.details() == f"{cls.__name__} happened"
+        for back in (from_status(error.status()), from_rpc_error(raised)):
+            assert type(back) is cls and back.message == error.message and back.answered
+            assert (back.reason, back.metadata, back.retry_delay) == ("WHY", {"worker": "w"}, 1.5)
+            assert back.field_violations == (FieldViolation("prompt", back.message),)
+    assert rpc_error(ERRORS[0]("x").status()).code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_status_without_details_or_with_an_unknown_code_is_not_one_the_mesh_answered() -> None:
+    import grpc
+    from google.rpc import status_pb2
+
+    from tokenmesh.errors import Internal, Unavailable, from_status, rpc_error
+
+    bare = from_status(status_pb2.Status(code=grpc.StatusCode.UNAVAILABLE.value[0], message="gone"))
+    assert type(bare) is Unavailable and bare.message == "gone" and not bare.answered
+    odd = status_pb2.Status(code=99, message="from the future")
+    assert rpc_error(odd).code() is grpc.StatusCode.UNKNOWN
+    assert type(from_status(odd)) is Internal

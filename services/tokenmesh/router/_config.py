@@ -8,6 +8,9 @@ from tokenmesh.config import ServerSettings, address_error, check, check_discove
 from tokenmesh.router._pool import POLICIES
 from tokenmesh.tls import TlsSettings
 
+WORKER_LINK = ("auto", "off")
+"""How a router's generations reach their workers (RouterConfig.worker_link)."""
+
 DISCOVERY = ("static", "dns", "prober")
 """Where a router's workers come from (RouterConfig.discovery)."""
 
@@ -48,6 +51,12 @@ class RouterConfig(ServerSettings, TlsSettings):
     stall_timeout_s: float = setting(5.0, "a worker silent this long between chunks is failed over")
     max_migrations: int = setting(3, "times one generation may move to (or be retried on) another worker")
     failover_wait_s: float = setting(30.0, "how long a stream whose worker failed waits for another live worker")
+    worker_link: str = setting(
+        "off",
+        "auto: each generation goes to its worker on one shared Worker/Link call per worker (batched chunks, "
+        "per-generation credit), Worker/Generate for workers that do not serve Link; off: one Worker/Generate "
+        "call per generation",
+    )
     policy: str = setting("prefix", "worker selection: prefix (KV-cache affinity), least-loaded, round-robin")
     max_streams_per_connection: int = setting(
         1024,
@@ -83,6 +92,7 @@ class RouterConfig(ServerSettings, TlsSettings):
         check(self.stall_timeout_s > 0, f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         check(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
         check(self.failover_wait_s >= 0, f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
+        check(self.worker_link in WORKER_LINK, f"worker_link must be auto or off, got {self.worker_link!r}")
         check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         check(self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}")
         check(

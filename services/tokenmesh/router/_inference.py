@@ -31,15 +31,15 @@ from tokenmesh.errors import (
 )
 from tokenmesh.links import Links
 from tokenmesh.redaction import capture_enabled
-from tokenmesh.retry import write
 from tokenmesh.router._admission import FAILOVER, Admission, level
 from tokenmesh.router._cancels import WorkerCancels
 from tokenmesh.router._config import RouterConfig
+from tokenmesh.router._link import LinkSessions
 from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._observe import Observation, generation_span
 from tokenmesh.router._outcome import WorkerFailed, outcome
 from tokenmesh.router._pool import WorkerEntry, WorkerPool, prefix_key
-from tokenmesh.router._relay import Live, Progress, Relay, chunk, continuation, start_command
+from tokenmesh.router._relay import Live, Progress, Relay, chunk, continuation, start_command, stop
 from tokenmesh.router._spares import Spares
 from tokenmesh.router._validation import validate
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -72,6 +72,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """Set when the router drains: new generations and resumes get UNAVAILABLE."""
     spares: Spares
     cancels: WorkerCancels
+    sessions: LinkSessions
+    """The workers' Link sessions (with --worker-link auto; none: every attempt is a Worker/Generate call)."""
     _config: RouterConfig
     _pool: WorkerPool
     _admission: Admission
@@ -104,7 +106,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.draining = False
         self.spares = Spares(links)
         self.cancels = WorkerCancels(links)
-        self._relay = Relay(config, self.spares, self.cancels)
+        self.sessions = LinkSessions()
+        self._relay = Relay(config, self.spares, self.cancels, self.sessions)
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -406,8 +409,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             live.cancel()  # one still waiting for a worker slot ends now
             if live.call is not None:
                 with contextlib.suppress(grpc.aio.UsageError, grpc.aio.AioRpcError):
-                    stop = worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel"))
-                    await write(live.call, stop)
+                    await stop(live.call)
             return inference_pb2.CancelResponse(cancelled=True)
         # No stream of this router runs it (or a Resume follows it): the worker that holds it stops it.
         remaining = context.time_remaining()

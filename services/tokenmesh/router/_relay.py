@@ -17,10 +17,14 @@ import grpc
 from tokenmesh.retry import write
 from tokenmesh.router._cancels import WorkerCancels
 from tokenmesh.router._config import RouterConfig
+from tokenmesh.router._link import Attempt, LinkSessions
 from tokenmesh.router._outcome import WorkerFailed, outcome
 from tokenmesh.router._pool import WorkerEntry
 from tokenmesh.router._spares import Spares
 from tokenmesh.v1 import inference_pb2, worker_pb2
+
+WorkerCall = grpc.aio.StreamStreamCall[Any, Any] | Attempt
+"""An attempt's stream from its worker: a Worker/Generate call, or a stream on the worker's Link."""
 
 
 class Live:
@@ -31,8 +35,8 @@ class Live:
 
     """
 
-    call: grpc.aio.StreamStreamCall[Any, Any] | None
-    """The Worker/Generate call of the attempt in progress (None while none runs)."""
+    call: WorkerCall | None
+    """The worker call (or link stream) of the attempt in progress (None while none runs)."""
     cancelled: asyncio.Future[None]
     """Done once Inference/Cancel asked for it to stop (one waiting for a worker slot stops at once)."""
     ended: asyncio.Event
@@ -133,7 +137,7 @@ class StallWatchdog:
 
     stalled: str
     """Why the call was cancelled ('' while it was not)."""
-    _call: grpc.aio.StreamStreamCall[Any, Any]
+    _call: WorkerCall
     _loop: asyncio.AbstractEventLoop
     _limit: float
     _between: float
@@ -141,7 +145,7 @@ class StallWatchdog:
     _reading: bool
     _timer: asyncio.TimerHandle
 
-    def __init__(self, call: grpc.aio.StreamStreamCall[Any, Any], first_s: float, between_s: float) -> None:
+    def __init__(self, call: WorkerCall, first_s: float, between_s: float) -> None:
         self._call = call
         self._loop = asyncio.get_running_loop()
         self._limit = first_s
@@ -203,6 +207,7 @@ class Relay:
         config: the router's settings (the TTFT and stall limits).
         spares: the Generate calls opened ahead, one per worker.
         cancels: stops, on its worker, what an attempt leaves behind.
+        sessions: the workers' Link sessions (an attempt goes on its worker's link when one is open).
 
     """
 
@@ -210,12 +215,16 @@ class Relay:
     _stall_timeout_s: float
     _spares: Spares
     _cancels: WorkerCancels
+    _sessions: LinkSessions
 
-    def __init__(self, config: RouterConfig, spares: Spares, cancels: WorkerCancels) -> None:
+    def __init__(
+        self, config: RouterConfig, spares: Spares, cancels: WorkerCancels, sessions: LinkSessions | None = None
+    ) -> None:
         self._ttft_timeout_s = config.ttft_timeout_s
         self._stall_timeout_s = config.stall_timeout_s
         self._spares = spares
         self._cancels = cancels
+        self._sessions = sessions if sessions is not None else LinkSessions()
 
     async def run(
         self,
@@ -235,15 +244,17 @@ class Relay:
         with that context in its metadata, not taken from the spares (:mod:`tokenmesh.router._spares`).
         """
         forward = start.start
-        call = self._spares.take(entry.address, trace_context)
+        call = self._open(entry.address, start, trace_context)
         live.call = call
         watchdog = StallWatchdog(call, self._ttft_timeout_s, self._stall_timeout_s)
         received = finished = detach = False
         try:
-            await self._start(call, entry.address, live, start, open_spare=not trace_context)
+            await self._start(
+                call, entry.address, live, start, open_spare=not trace_context and not isinstance(call, Attempt)
+            )
             while True:
                 watchdog.reading()
-                event = await call.read()
+                event: Any = await call.read()  # a WorkerEvent, or EOF from a Generate call
                 if event is grpc.aio.EOF:
                     raise outcome(None, entry.address, received=received)
                 watchdog.fed()
@@ -272,13 +283,34 @@ class Relay:
         finally:
             watchdog.stop()
             live.call = None
-            call.cancel()
-            if not finished and not detach:  # the worker would run it on for no one
-                self._cancels.abandon(entry.address, forward.request_id)
+            self._let_go(call, entry.address, start, stop_worker=not finished and not detach)
+
+    def _let_go(self, call: WorkerCall, address: str, start: worker_pb2.WorkerCommand, *, stop_worker: bool) -> None:
+        """The attempt is over here: close its call; with stop_worker, stop what the worker would run for no one.
+
+        On a link, closing detaches the stream, which stops a generation that is not resumable (as the link's end
+        does): only a resumable one is cancelled by request_id.
+        """
+        call.cancel()
+        if stop_worker and (start.resumable or not isinstance(call, Attempt)):
+            self._cancels.abandon(address, start.start.request_id)
+
+    def _open(self, address: str, start: worker_pb2.WorkerCommand, trace_context: dict[str, str] | None) -> WorkerCall:
+        """The attempt's stream: on the worker's Link when one is open, else a Generate call (a spare, untraced).
+
+        A link carries no per-generation metadata: a traced generation's context goes in its start command.
+        """
+        session = self._sessions.get(address)
+        if session is None:
+            call: WorkerCall = self._spares.take(address, trace_context)
+            return call
+        if trace_context and not start.trace_context:
+            start.trace_context.update(trace_context)
+        return session.attempt()
 
     async def _start(
         self,
-        call: grpc.aio.StreamStreamCall[Any, Any],
+        call: WorkerCall,
         address: str,
         live: Live,
         start: worker_pb2.WorkerCommand,
@@ -286,11 +318,23 @@ class Relay:
         open_spare: bool,
     ) -> None:
         """Send the start command; open the next spare while this one waits for its first token."""
-        await write(call, start)  # a spare the worker ended meanwhile: its status, failed over
-        if open_spare:  # a traced generation opened a call of its own and leaves the spares as they are
-            self._spares.open(address)
+        if isinstance(call, Attempt):
+            await call.write(start)  # on the link: no call to open, no spare to keep
+        else:
+            await write(call, start)  # a spare the worker ended meanwhile: its status, failed over
+            if open_spare:  # a traced generation opened a call of its own and leaves the spares as they are
+                self._spares.open(address)
         if live.cancelled.done():  # Cancel came while the start was on its way
-            await write(call, worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel")))
+            await stop(call)
+
+
+async def stop(call: WorkerCall) -> None:
+    """Tell the worker to stop the attempt's generation (a cancel command on its call or link stream)."""
+    command = worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel"))
+    if isinstance(call, Attempt):
+        await call.write(command)
+    else:
+        await write(call, command)
 
 
 def start_command(

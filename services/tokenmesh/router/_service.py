@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from tokenmesh.retry import Reconnect, StreamEnded, failure_name
 from tokenmesh.router._admission import Admission
 from tokenmesh.router._config import RouterConfig
 from tokenmesh.router._inference import InferenceServicer
+from tokenmesh.router._link import LINK
 from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._peers import FORWARDED, Peers
 from tokenmesh.router._pool import WorkerPool
@@ -45,15 +46,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     Args:
         pool: the workers and the table in force.
         admission: the queue (its length is in the table).
+        modes: how generations reach a worker, by address (RoutingEntry.link).
 
     """
 
     _pool: WorkerPool
     _admission: Admission
+    _modes: Callable[[str], str]
 
-    def __init__(self, pool: WorkerPool, admission: Admission) -> None:
+    def __init__(self, pool: WorkerPool, admission: Admission, modes: Callable[[str], str] = lambda _: "") -> None:
         self._pool = pool
         self._admission = admission
+        self._modes = modes
 
     async def GetRoutingTable(  # noqa: N802 - gRPC method name
         self, request: router_pb2.GetRoutingTableRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -62,6 +66,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         table = self._pool.table()
         table.queued = len(self._admission.waiting)
         table.process_index, table.processes = self._pool.share
+        for entry in table.workers:
+            entry.link = self._modes(entry.address)
         return table
 
 
@@ -198,7 +204,9 @@ class Router(Service):
         self.inference = InferenceServicer(config, self.pool, self.links, self.admission, self.metrics)
         self.inference.tracer = self.tracing.tracer
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.pool, self.admission), host.server)
+        router_pb2_grpc.add_RouterServicer_to_server(
+            RouterServicer(self.pool, self.admission, self._link_mode), host.server
+        )
         allowed = frozenset(config.workers) if config.discovery == "static" else None
         control = ControlServicer(
             self.pool, self._new_workers, allowed, config.discovery == "prober", self.metrics, self.peers
@@ -209,10 +217,19 @@ class Router(Service):
             resolver = DnsResolver(config.discovery_dns_server)
             self.discovery = Discovery(config.workers, resolver, self._found, self._let_go, what="worker")
 
+    def _link_mode(self, address: str) -> str:
+        """How generations reach the worker (RoutingEntry.link)."""
+        if self.config.worker_link == "off":
+            return "per-generation"
+        return self.inference.sessions.modes.get(address, "")
+
     def _watch(self, address: str, found_by: str = "static") -> None:
         self.pool.add(address, found_by)  # one discovery had let go is taken back
         if address not in self.links:
-            self.links.open(address).run("health watch", self._watch_worker)
+            link = self.links.open(address)
+            link.run("health watch", self._watch_worker)
+            if self.config.worker_link == "auto":
+                link.run(LINK, self.inference.sessions.run)
 
     def _found(self, address: str, name: str) -> None:
         self._watch(address, f"dns {name}")

@@ -25,29 +25,29 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmesh/v1/router.proto\x12\x0ctokenmesh.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x18\n\x16GetRoutingTableRequest\"\xd3\x01\n\x0cRoutingEntry\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.tokenmesh.v1.WorkerState\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x14\n\x0cserved_total\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x12\n\ntriton_url\x18\x07 \x01(\t\x12\x19\n\x11\x63oncurrency_limit\x18\x08 \x01(\r\x12\x10\n\x08\x66ound_by\x18\t \x01(\t\"\xcf\x01\n\x0cRoutingTable\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.tokenmesh.v1.RoutingEntry\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12/\n\x0breceived_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0epropagation_ms\x18\x04 \x01(\x01\x12\x0e\n\x06queued\x18\x05 \x01(\r\x12\x15\n\rprocess_index\x18\x06 \x01(\r\x12\x11\n\tprocesses\x18\x07 \x01(\r\"\x98\x01\n\x0cWorkerWeight\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.tokenmesh.v1.WorkerState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x12\n\ntriton_url\x18\x05 \x01(\t\x12\x19\n\x11\x63oncurrency_limit\x18\x06 \x01(\r\"{\n\x0bWeightTable\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12+\n\x07workers\x18\x02 \x03(\x0b\x32\x1a.tokenmesh.v1.WorkerWeight\x12.\n\ndecided_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"-\n\tWeightAck\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08*\x81\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_SERVING\x10\x01\x12\x1c\n\x18WORKER_STATE_NOT_SERVING\x10\x02\x12\x1c\n\x18WORKER_STATE_UNREACHABLE\x10\x03\x32]\n\x06Router\x12S\n\x0fGetRoutingTable\x12$.tokenmesh.v1.GetRoutingTableRequest\x1a\x1a.tokenmesh.v1.RoutingTable2P\n\x07\x43ontrol\x12\x45\n\x0bPushWeights\x12\x19.tokenmesh.v1.WeightTable\x1a\x17.tokenmesh.v1.WeightAck(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmesh/v1/router.proto\x12\x0ctokenmesh.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x18\n\x16GetRoutingTableRequest\"\xe1\x01\n\x0cRoutingEntry\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.tokenmesh.v1.WorkerState\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x14\n\x0cserved_total\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x12\n\ntriton_url\x18\x07 \x01(\t\x12\x19\n\x11\x63oncurrency_limit\x18\x08 \x01(\r\x12\x10\n\x08\x66ound_by\x18\t \x01(\t\x12\x0c\n\x04link\x18\n \x01(\t\"\xcf\x01\n\x0cRoutingTable\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.tokenmesh.v1.RoutingEntry\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12/\n\x0breceived_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0epropagation_ms\x18\x04 \x01(\x01\x12\x0e\n\x06queued\x18\x05 \x01(\r\x12\x15\n\rprocess_index\x18\x06 \x01(\r\x12\x11\n\tprocesses\x18\x07 \x01(\r\"\x98\x01\n\x0cWorkerWeight\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.tokenmesh.v1.WorkerState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x12\n\ntriton_url\x18\x05 \x01(\t\x12\x19\n\x11\x63oncurrency_limit\x18\x06 \x01(\r\"{\n\x0bWeightTable\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12+\n\x07workers\x18\x02 \x03(\x0b\x32\x1a.tokenmesh.v1.WorkerWeight\x12.\n\ndecided_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"-\n\tWeightAck\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08*\x81\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_SERVING\x10\x01\x12\x1c\n\x18WORKER_STATE_NOT_SERVING\x10\x02\x12\x1c\n\x18WORKER_STATE_UNREACHABLE\x10\x03\x32]\n\x06Router\x12S\n\x0fGetRoutingTable\x12$.tokenmesh.v1.GetRoutingTableRequest\x1a\x1a.tokenmesh.v1.RoutingTable2P\n\x07\x43ontrol\x12\x45\n\x0bPushWeights\x12\x19.tokenmesh.v1.WeightTable\x1a\x17.tokenmesh.v1.WeightAck(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenmesh.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=854
-  _globals['_WORKERSTATE']._serialized_end=983
+  _globals['_WORKERSTATE']._serialized_start=868
+  _globals['_WORKERSTATE']._serialized_end=997
   _globals['_GETROUTINGTABLEREQUEST']._serialized_start=76
   _globals['_GETROUTINGTABLEREQUEST']._serialized_end=100
   _globals['_ROUTINGENTRY']._serialized_start=103
-  _globals['_ROUTINGENTRY']._serialized_end=314
-  _globals['_ROUTINGTABLE']._serialized_start=317
-  _globals['_ROUTINGTABLE']._serialized_end=524
-  _globals['_WORKERWEIGHT']._serialized_start=527
-  _globals['_WORKERWEIGHT']._serialized_end=679
-  _globals['_WEIGHTTABLE']._serialized_start=681
-  _globals['_WEIGHTTABLE']._serialized_end=804
-  _globals['_WEIGHTACK']._serialized_start=806
-  _globals['_WEIGHTACK']._serialized_end=851
-  _globals['_ROUTER']._serialized_start=985
-  _globals['_ROUTER']._serialized_end=1078
-  _globals['_CONTROL']._serialized_start=1080
-  _globals['_CONTROL']._serialized_end=1160
+  _globals['_ROUTINGENTRY']._serialized_end=328
+  _globals['_ROUTINGTABLE']._serialized_start=331
+  _globals['_ROUTINGTABLE']._serialized_end=538
+  _globals['_WORKERWEIGHT']._serialized_start=541
+  _globals['_WORKERWEIGHT']._serialized_end=693
+  _globals['_WEIGHTTABLE']._serialized_start=695
+  _globals['_WEIGHTTABLE']._serialized_end=818
+  _globals['_WEIGHTACK']._serialized_start=820
+  _globals['_WEIGHTACK']._serialized_end=865
+  _globals['_ROUTER']._serialized_start=999
+  _globals['_ROUTER']._serialized_end=1092
+  _globals['_CONTROL']._serialized_start=1094
+  _globals['_CONTROL']._serialized_end=1174
 # @@protoc_insertion_point(module_scope)

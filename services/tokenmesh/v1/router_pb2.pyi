@@ -26,7 +26,7 @@ class GetRoutingTableRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RoutingEntry(_message.Message):
-    __slots__ = ("address", "weight", "state", "in_flight", "served_total", "reason", "triton_url", "concurrency_limit", "found_by")
+    __slots__ = ("address", "weight", "state", "in_flight", "served_total", "reason", "triton_url", "concurrency_limit", "found_by", "link")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class RoutingEntry(_message.Message):
     TRITON_URL_FIELD_NUMBER: _ClassVar[int]
     CONCURRENCY_LIMIT_FIELD_NUMBER: _ClassVar[int]
     FOUND_BY_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
     address: str
     weight: float
     state: WorkerState
@@ -45,7 +46,8 @@ class RoutingEntry(_message.Message):
     triton_url: str
     concurrency_limit: int
     found_by: str
-    def __init__(self, address: _Optional[str] = ..., weight: _Optional[float] = ..., state: _Optional[_Union[WorkerState, str]] = ..., in_flight: _Optional[int] = ..., served_total: _Optional[int] = ..., reason: _Optional[str] = ..., triton_url: _Optional[str] = ..., concurrency_limit: _Optional[int] = ..., found_by: _Optional[str] = ...) -> None: ...
+    link: str
+    def __init__(self, address: _Optional[str] = ..., weight: _Optional[float] = ..., state: _Optional[_Union[WorkerState, str]] = ..., in_flight: _Optional[int] = ..., served_total: _Optional[int] = ..., reason: _Optional[str] = ..., triton_url: _Optional[str] = ..., concurrency_limit: _Optional[int] = ..., found_by: _Optional[str] = ..., link: _Optional[str] = ...) -> None: ...
 
 class RoutingTable(_message.Message):
     __slots__ = ("workers", "version", "received_at", "propagation_ms", "queued", "process_index", "processes")

@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 from tokenmesh.v1 import inference_pb2 as tokenmesh_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmesh/v1/worker.proto\x12\x0ctokenmesh.v1\x1a\x1ctokenmesh/v1/inference.proto\"\xda\x02\n\rWorkerCommand\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.tokenmesh.v1.GenerateRequestH\x00\x12\x30\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1e.tokenmesh.v1.CancelGenerationH\x00\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\x12\x15\n\rtokens_before\x18\x04 \x01(\r\x12\x11\n\tresumable\x18\x05 \x01(\x08\x12\x16\n\ttimeout_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x44\n\rtrace_context\x18\x07 \x03(\x0b\x32-.tokenmesh.v1.WorkerCommand.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommandB\x0c\n\n_timeout_s\"\"\n\x10\x43\x61ncelGeneration\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xaa\x01\n\x0bWorkerEvent\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.tokenmesh.v1.TokenChunkH\x00\x12*\n\x03\x65nd\x18\x02 \x01(\x0b\x32\x1b.tokenmesh.v1.GenerationEndH\x00\x12.\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.tokenmesh.v1.GenerationErrorH\x00\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x42\x07\n\x05\x65vent\"6\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"_\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\x1b\n\x0e\x65ngine_ttft_ms\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x11\n\x0f_engine_ttft_ms\"{\n\rGenerationEnd\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.tokenmesh.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.tokenmesh.v1.Usage\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\"Q\n\x0fGenerationError\x12-\n\x0b\x65rror_class\x18\x01 \x01(\x0e\x32\x18.tokenmesh.v1.ErrorClass\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x1c\n\tStatsPing\x12\x0f\n\x07ping_id\x18\x01 \x01(\x04\"\xd2\x01\n\x0b\x44\x65viceStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1e\n\x11memory_used_bytes\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x1f\n\x12memory_total_bytes\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12 \n\x13utilization_percent\x18\x05 \x01(\rH\x02\x88\x01\x01\x42\x14\n\x12_memory_used_bytesB\x15\n\x13_memory_total_bytesB\x16\n\x14_utilization_percent\"\x88\x04\n\x0bWorkerStats\x12\x0f\n\x07ping_id\x18\x01 \x01(\x04\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x19\n\x11\x63oncurrency_limit\x18\x03 \x01(\r\x12\x0f\n\x07serving\x18\x04 \x01(\x08\x12\x14\n\x0cserved_total\x18\x05 \x01(\x04\x12\x14\n\x0ctokens_total\x18\x06 \x01(\x04\x12*\n\x07\x64\x65vices\x18\x07 \x03(\x0b\x32\x19.tokenmesh.v1.DeviceStats\x12\x12\n\ntriton_url\x18\x08 \x01(\t\x12\x11\n\toom_total\x18\t \x01(\x04\x12\x18\n\x10\x62\x61\x63kend_restarts\x18\n \x01(\x04\x12\x14\n\x0cstate_reason\x18\x0b \x01(\t\x12\x14\n\x07ttft_ms\x18\x0c \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06itl_ms\x18\r \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x0ctokens_per_s\x18\x0e \x01(\x01\x12\x0c\n\x04\x63pus\x18\x0f \x03(\r\x12\x1b\n\x0etriton_pending\x18\x10 \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0ftriton_queue_ms\x18\x11 \x01(\x01H\x03\x88\x01\x01\x12\x1d\n\x10ttft_baseline_ms\x18\x12 \x01(\x01H\x04\x88\x01\x01\x42\n\n\x08_ttft_msB\t\n\x07_itl_msB\x11\n\x0f_triton_pendingB\x12\n\x10_triton_queue_msB\x13\n\x11_ttft_baseline_ms\"\x11\n\x0f\x44\x65scribeRequest\"\x9c\x01\n\x10\x44\x65scribeResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.tokenmesh.v1.ModelInfo\x12\x12\n\ntriton_url\x18\x02 \x01(\t\x12\x1c\n\x14\x63uda_visible_devices\x18\x03 \x01(\t\x12\x12\n\ntriton_pid\x18\x04 \x01(\r\x12\x19\n\x11\x63oncurrency_limit\x18\x05 \x01(\r*\xf6\x01\n\nErrorClass\x12\x1b\n\x17\x45RROR_CLASS_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CLASS_INVALID_REQUEST\x10\x01\x12\x1b\n\x17\x45RROR_CLASS_UNAVAILABLE\x10\x02\x12\x17\n\x13\x45RROR_CLASS_TIMEOUT\x10\x03\x12\x1d\n\x19\x45RROR_CLASS_OUT_OF_MEMORY\x10\x04\x12\x17\n\x13\x45RROR_CLASS_BACKEND\x10\x05\x12\x1f\n\x1b\x45RROR_CLASS_MODEL_NOT_FOUND\x10\x06\x12\x1b\n\x17\x45RROR_CLASS_DEVICE_LOST\x10\x07\x32\xe5\x02\n\x06Worker\x12\x46\n\x08Generate\x12\x1b.tokenmesh.v1.WorkerCommand\x1a\x19.tokenmesh.v1.WorkerEvent(\x01\x30\x01\x12?\n\x05Stats\x12\x17.tokenmesh.v1.StatsPing\x1a\x19.tokenmesh.v1.WorkerStats(\x01\x30\x01\x12I\n\x08\x44\x65scribe\x12\x1d.tokenmesh.v1.DescribeRequest\x1a\x1e.tokenmesh.v1.DescribeResponse\x12\x42\n\x06\x41ttach\x12\x1b.tokenmesh.v1.AttachRequest\x1a\x19.tokenmesh.v1.WorkerEvent0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.tokenmesh.v1.CancelRequest\x1a\x1c.tokenmesh.v1.CancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmesh/v1/worker.proto\x12\x0ctokenmesh.v1\x1a\x17google/rpc/status.proto\x1a\x1ctokenmesh/v1/inference.proto\"\xda\x02\n\rWorkerCommand\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.tokenmesh.v1.GenerateRequestH\x00\x12\x30\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1e.tokenmesh.v1.CancelGenerationH\x00\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\x12\x15\n\rtokens_before\x18\x04 \x01(\r\x12\x11\n\tresumable\x18\x05 \x01(\x08\x12\x16\n\ttimeout_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x44\n\rtrace_context\x18\x07 \x03(\x0b\x32-.tokenmesh.v1.WorkerCommand.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommandB\x0c\n\n_timeout_s\"\"\n\x10\x43\x61ncelGeneration\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xaa\x01\n\x0bWorkerEvent\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.tokenmesh.v1.TokenChunkH\x00\x12*\n\x03\x65nd\x18\x02 \x01(\x0b\x32\x1b.tokenmesh.v1.GenerationEndH\x00\x12.\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.tokenmesh.v1.GenerationErrorH\x00\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x42\x07\n\x05\x65vent\"h\n\x0cLinkCommands\x12+\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x19.tokenmesh.v1.LinkCommand\x12\x15\n\rcredit_stream\x18\x02 \x03(\x04\x12\x14\n\x0c\x63redit_bytes\x18\x03 \x03(\r\"\xca\x01\n\x0bLinkCommand\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12,\n\x05start\x18\x02 \x01(\x0b\x32\x1b.tokenmesh.v1.WorkerCommandH\x00\x12\x30\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x1e.tokenmesh.v1.CancelGenerationH\x00\x12*\n\x06\x64\x65tach\x18\x04 \x01(\x0b\x32\x18.tokenmesh.v1.LinkDetachH\x00\x12\x14\n\x0cwindow_bytes\x18\x05 \x01(\rB\t\n\x07\x63ommand\"\x0c\n\nLinkDetach\"\xab\x02\n\nLinkEvents\x12,\n\x08settings\x18\x01 \x01(\x0b\x32\x1a.tokenmesh.v1.LinkSettings\x12\x14\n\x0c\x63hunk_stream\x18\x02 \x03(\x04\x12\x11\n\tchunk_seq\x18\x03 \x03(\x04\x12\x12\n\nchunk_text\x18\x04 \x03(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x05 \x03(\r\x12\x42\n\x0e\x65ngine_ttft_ms\x18\x06 \x03(\x0b\x32*.tokenmesh.v1.LinkEvents.EngineTtftMsEntry\x12#\n\x04\x65nds\x18\x07 \x03(\x0b\x32\x15.tokenmesh.v1.LinkEnd\x1a\x33\n\x11\x45ngineTtftMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"r\n\x07LinkEnd\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12*\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x19.tokenmesh.v1.WorkerEventH\x00\x12$\n\x06status\x18\x03 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\x05\n\x03\x65nd\"l\n\x0cLinkSettings\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x1c\n\x14\x64\x65\x66\x61ult_window_bytes\x18\x02 \x01(\r\x12\x17\n\x0fmax_batch_bytes\x18\x03 \x01(\r\x12\x13\n\x0bmax_streams\x18\x04 \x01(\r\"6\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"_\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\x1b\n\x0e\x65ngine_ttft_ms\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x11\n\x0f_engine_ttft_ms\"{\n\rGenerationEnd\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.tokenmesh.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.tokenmesh.v1.Usage\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\"Q\n\x0fGenerationError\x12-\n\x0b\x65rror_class\x18\x01 \x01(\x0e\x32\x18.tokenmesh.v1.ErrorClass\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x1c\n\tStatsPing\x12\x0f\n\x07ping_id\x18\x01 \x01(\x04\"\xd2\x01\n\x0b\x44\x65viceStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1e\n\x11memory_used_bytes\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x1f\n\x12memory_total_bytes\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12 \n\x13utilization_percent\x18\x05 \x01(\rH\x02\x88\x01\x01\x42\x14\n\x12_memory_used_bytesB\x15\n\x13_memory_total_bytesB\x16\n\x14_utilization_percent\"\x88\x04\n\x0bWorkerStats\x12\x0f\n\x07ping_id\x18\x01 \x01(\x04\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x19\n\x11\x63oncurrency_limit\x18\x03 \x01(\r\x12\x0f\n\x07serving\x18\x04 \x01(\x08\x12\x14\n\x0cserved_total\x18\x05 \x01(\x04\x12\x14\n\x0ctokens_total\x18\x06 \x01(\x04\x12*\n\x07\x64\x65vices\x18\x07 \x03(\x0b\x32\x19.tokenmesh.v1.DeviceStats\x12\x12\n\ntriton_url\x18\x08 \x01(\t\x12\x11\n\toom_total\x18\t \x01(\x04\x12\x18\n\x10\x62\x61\x63kend_restarts\x18\n \x01(\x04\x12\x14\n\x0cstate_reason\x18\x0b \x01(\t\x12\x14\n\x07ttft_ms\x18\x0c \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06itl_ms\x18\r \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x0ctokens_per_s\x18\x0e \x01(\x01\x12\x0c\n\x04\x63pus\x18\x0f \x03(\r\x12\x1b\n\x0etriton_pending\x18\x10 \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0ftriton_queue_ms\x18\x11 \x01(\x01H\x03\x88\x01\x01\x12\x1d\n\x10ttft_baseline_ms\x18\x12 \x01(\x01H\x04\x88\x01\x01\x42\n\n\x08_ttft_msB\t\n\x07_itl_msB\x11\n\x0f_triton_pendingB\x12\n\x10_triton_queue_msB\x13\n\x11_ttft_baseline_ms\"\x11\n\x0f\x44\x65scribeRequest\"\x9c\x01\n\x10\x44\x65scribeResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.tokenmesh.v1.ModelInfo\x12\x12\n\ntriton_url\x18\x02 \x01(\t\x12\x1c\n\x14\x63uda_visible_devices\x18\x03 \x01(\t\x12\x12\n\ntriton_pid\x18\x04 \x01(\r\x12\x19\n\x11\x63oncurrency_limit\x18\x05 \x01(\r*\xf6\x01\n\nErrorClass\x12\x1b\n\x17\x45RROR_CLASS_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CLASS_INVALID_REQUEST\x10\x01\x12\x1b\n\x17\x45RROR_CLASS_UNAVAILABLE\x10\x02\x12\x17\n\x13\x45RROR_CLASS_TIMEOUT\x10\x03\x12\x1d\n\x19\x45RROR_CLASS_OUT_OF_MEMORY\x10\x04\x12\x17\n\x13\x45RROR_CLASS_BACKEND\x10\x05\x12\x1f\n\x1b\x45RROR_CLASS_MODEL_NOT_FOUND\x10\x06\x12\x1b\n\x17\x45RROR_CLASS_DEVICE_LOST\x10\x07\x32\xa7\x03\n\x06Worker\x12\x46\n\x08Generate\x12\x1b.tokenmesh.v1.WorkerCommand\x1a\x19.tokenmesh.v1.WorkerEvent(\x01\x30\x01\x12?\n\x05Stats\x12\x17.tokenmesh.v1.StatsPing\x1a\x19.tokenmesh.v1.WorkerStats(\x01\x30\x01\x12I\n\x08\x44\x65scribe\x12\x1d.tokenmesh.v1.DescribeRequest\x1a\x1e.tokenmesh.v1.DescribeResponse\x12\x42\n\x06\x41ttach\x12\x1b.tokenmesh.v1.AttachRequest\x1a\x19.tokenmesh.v1.WorkerEvent0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.tokenmesh.v1.CancelRequest\x1a\x1c.tokenmesh.v1.CancelResponse\x12@\n\x04Link\x12\x1a.tokenmesh.v1.LinkCommands\x1a\x18.tokenmesh.v1.LinkEvents(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +35,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERCOMMAND_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_WORKERCOMMAND_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_ERRORCLASS']._serialized_start=1937
-  _globals['_ERRORCLASS']._serialized_end=2183
-  _globals['_WORKERCOMMAND']._serialized_start=74
-  _globals['_WORKERCOMMAND']._serialized_end=420
-  _globals['_WORKERCOMMAND_TRACECONTEXTENTRY']._serialized_start=344
-  _globals['_WORKERCOMMAND_TRACECONTEXTENTRY']._serialized_end=395
-  _globals['_CANCELGENERATION']._serialized_start=422
-  _globals['_CANCELGENERATION']._serialized_end=456
-  _globals['_WORKEREVENT']._serialized_start=459
-  _globals['_WORKEREVENT']._serialized_end=629
-  _globals['_ATTACHREQUEST']._serialized_start=631
-  _globals['_ATTACHREQUEST']._serialized_end=685
-  _globals['_TOKENCHUNK']._serialized_start=687
-  _globals['_TOKENCHUNK']._serialized_end=782
-  _globals['_GENERATIONEND']._serialized_start=784
-  _globals['_GENERATIONEND']._serialized_end=907
-  _globals['_GENERATIONERROR']._serialized_start=909
-  _globals['_GENERATIONERROR']._serialized_end=990
-  _globals['_STATSPING']._serialized_start=992
-  _globals['_STATSPING']._serialized_end=1020
-  _globals['_DEVICESTATS']._serialized_start=1023
-  _globals['_DEVICESTATS']._serialized_end=1233
-  _globals['_WORKERSTATS']._serialized_start=1236
-  _globals['_WORKERSTATS']._serialized_end=1756
-  _globals['_DESCRIBEREQUEST']._serialized_start=1758
-  _globals['_DESCRIBEREQUEST']._serialized_end=1775
-  _globals['_DESCRIBERESPONSE']._serialized_start=1778
-  _globals['_DESCRIBERESPONSE']._serialized_end=1934
-  _globals['_WORKER']._serialized_start=2186
-  _globals['_WORKER']._serialized_end=2543
+  _globals['_LINKEVENTS_ENGINETTFTMSENTRY']._loaded_options = None
+  _globals['_LINKEVENTS_ENGINETTFTMSENTRY']._serialized_options = b'8\001'
+  _globals['_ERRORCLASS']._serialized_start=2815
+  _globals['_ERRORCLASS']._serialized_end=3061
+  _globals['_WORKERCOMMAND']._serialized_start=99
+  _globals['_WORKERCOMMAND']._serialized_end=445
+  _globals['_WORKERCOMMAND_TRACECONTEXTENTRY']._serialized_start=369
+  _globals['_WORKERCOMMAND_TRACECONTEXTENTRY']._serialized_end=420
+  _globals['_CANCELGENERATION']._serialized_start=447
+  _globals['_CANCELGENERATION']._serialized_end=481
+  _globals['_WORKEREVENT']._serialized_start=484
+  _globals['_WORKEREVENT']._serialized_end=654
+  _globals['_LINKCOMMANDS']._serialized_start=656
+  _globals['_LINKCOMMANDS']._serialized_end=760
+  _globals['_LINKCOMMAND']._serialized_start=763
+  _globals['_LINKCOMMAND']._serialized_end=965
+  _globals['_LINKDETACH']._serialized_start=967
+  _globals['_LINKDETACH']._serialized_end=979
+  _globals['_LINKEVENTS']._serialized_start=982
+  _globals['_LINKEVENTS']._serialized_end=1281
+  _globals['_LINKEVENTS_ENGINETTFTMSENTRY']._serialized_start=1230
+  _globals['_LINKEVENTS_ENGINETTFTMSENTRY']._serialized_end=1281
+  _globals['_LINKEND']._serialized_start=1283
+  _globals['_LINKEND']._serialized_end=1397
+  _globals['_LINKSETTINGS']._serialized_start=1399
+  _globals['_LINKSETTINGS']._serialized_end=1507
+  _globals['_ATTACHREQUEST']._serialized_start=1509
+  _globals['_ATTACHREQUEST']._serialized_end=1563
+  _globals['_TOKENCHUNK']._serialized_start=1565
+  _globals['_TOKENCHUNK']._serialized_end=1660
+  _globals['_GENERATIONEND']._serialized_start=1662
+  _globals['_GENERATIONEND']._serialized_end=1785
+  _globals['_GENERATIONERROR']._serialized_start=1787
+  _globals['_GENERATIONERROR']._serialized_end=1868
+  _globals['_STATSPING']._serialized_start=1870
+  _globals['_STATSPING']._serialized_end=1898
+  _globals['_DEVICESTATS']._serialized_start=1901
+  _globals['_DEVICESTATS']._serialized_end=2111
+  _globals['_WORKERSTATS']._serialized_start=2114
+  _globals['_WORKERSTATS']._serialized_end=2634
+  _globals['_DESCRIBEREQUEST']._serialized_start=2636
+  _globals['_DESCRIBEREQUEST']._serialized_end=2653
+  _globals['_DESCRIBERESPONSE']._serialized_start=2656
+  _globals['_DESCRIBERESPONSE']._serialized_end=2812
+  _globals['_WORKER']._serialized_start=3064
+  _globals['_WORKER']._serialized_end=3487
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from google.rpc import status_pb2 as _status_pb2
 from tokenmesh.v1 import inference_pb2 as _inference_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -69,6 +70,81 @@ class WorkerEvent(_message.Message):
     error: GenerationError
     seq: int
     def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., end: _Optional[_Union[GenerationEnd, _Mapping]] = ..., error: _Optional[_Union[GenerationError, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class LinkCommands(_message.Message):
+    __slots__ = ("commands", "credit_stream", "credit_bytes")
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_STREAM_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    commands: _containers.RepeatedCompositeFieldContainer[LinkCommand]
+    credit_stream: _containers.RepeatedScalarFieldContainer[int]
+    credit_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, commands: _Optional[_Iterable[_Union[LinkCommand, _Mapping]]] = ..., credit_stream: _Optional[_Iterable[int]] = ..., credit_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LinkCommand(_message.Message):
+    __slots__ = ("stream", "start", "cancel", "detach", "window_bytes")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    start: WorkerCommand
+    cancel: CancelGeneration
+    detach: LinkDetach
+    window_bytes: int
+    def __init__(self, stream: _Optional[int] = ..., start: _Optional[_Union[WorkerCommand, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ..., detach: _Optional[_Union[LinkDetach, _Mapping]] = ..., window_bytes: _Optional[int] = ...) -> None: ...
+
+class LinkDetach(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LinkEvents(_message.Message):
+    __slots__ = ("settings", "chunk_stream", "chunk_seq", "chunk_text", "chunk_tokens", "engine_ttft_ms", "ends")
+    class EngineTtftMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_STREAM_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SEQ_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    settings: LinkSettings
+    chunk_stream: _containers.RepeatedScalarFieldContainer[int]
+    chunk_seq: _containers.RepeatedScalarFieldContainer[int]
+    chunk_text: _containers.RepeatedScalarFieldContainer[str]
+    chunk_tokens: _containers.RepeatedScalarFieldContainer[int]
+    engine_ttft_ms: _containers.ScalarMap[int, float]
+    ends: _containers.RepeatedCompositeFieldContainer[LinkEnd]
+    def __init__(self, settings: _Optional[_Union[LinkSettings, _Mapping]] = ..., chunk_stream: _Optional[_Iterable[int]] = ..., chunk_seq: _Optional[_Iterable[int]] = ..., chunk_text: _Optional[_Iterable[str]] = ..., chunk_tokens: _Optional[_Iterable[int]] = ..., engine_ttft_ms: _Optional[_Mapping[int, float]] = ..., ends: _Optional[_Iterable[_Union[LinkEnd, _Mapping]]] = ...) -> None: ...
+
+class LinkEnd(_message.Message):
+    __slots__ = ("stream", "event", "status")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    event: WorkerEvent
+    status: _status_pb2.Status
+    def __init__(self, stream: _Optional[int] = ..., event: _Optional[_Union[WorkerEvent, _Mapping]] = ..., status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+
+class LinkSettings(_message.Message):
+    __slots__ = ("protocol", "default_window_bytes", "max_batch_bytes", "max_streams")
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    protocol: int
+    default_window_bytes: int
+    max_batch_bytes: int
+    max_streams: int
+    def __init__(self, protocol: _Optional[int] = ..., default_window_bytes: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_streams: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("request_id", "after_seq")

@@ -61,6 +61,11 @@ class WorkerStub:
                 request_serializer=tokenmesh_dot_v1_dot_inference__pb2.CancelRequest.SerializeToString,
                 response_deserializer=tokenmesh_dot_v1_dot_inference__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.Link = channel.stream_stream(
+                '/tokenmesh.v1.Worker/Link',
+                request_serializer=tokenmesh_dot_v1_dot_worker__pb2.LinkCommands.SerializeToString,
+                response_deserializer=tokenmesh_dot_v1_dot_worker__pb2.LinkEvents.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -110,6 +115,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Link(self, request_iterator, context):
+        """One call per router process and worker carrying every generation that
+        router runs here, each a logical stream with a router-chosen id: starts,
+        cancels, detaches and per-stream credit go down; every chunk the engine
+        produced since the previous message, of every stream with credit, comes
+        up in one LinkEvents. A stream ends with one LinkEnd; per-stream errors
+        never end the call. When the call ends, resumable generations run on for
+        Attach and the others are cancelled, as when a Generate stream drops.
+        When the router half-closes, it can grant no more credit: the worker
+        sends every stream on to its end without credit, then ends the call.
+        A worker that predates it answers UNIMPLEMENTED: the router falls back
+        to Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +159,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=tokenmesh_dot_v1_dot_inference__pb2.CancelRequest.FromString,
                     response_serializer=tokenmesh_dot_v1_dot_inference__pb2.CancelResponse.SerializeToString,
+            ),
+            'Link': grpc.stream_stream_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=tokenmesh_dot_v1_dot_worker__pb2.LinkCommands.FromString,
+                    response_serializer=tokenmesh_dot_v1_dot_worker__pb2.LinkEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -275,6 +302,33 @@ class Worker:
             '/tokenmesh.v1.Worker/Cancel',
             tokenmesh_dot_v1_dot_inference__pb2.CancelRequest.SerializeToString,
             tokenmesh_dot_v1_dot_inference__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Link(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tokenmesh.v1.Worker/Link',
+            tokenmesh_dot_v1_dot_worker__pb2.LinkCommands.SerializeToString,
+            tokenmesh_dot_v1_dot_worker__pb2.LinkEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,8 @@ class Record:
         self.detached_at = time.monotonic()
         self._waiters: set[asyncio.Future[None]] = set()
         """One future per reader waiting for the next event (cheaper per token than a Condition's lock)."""
+        self._listeners: list[Callable[[], None]] = []
+        """Called on every new event and on finish (a Link's streams: no task or future per generation)."""
         self.task: asyncio.Task[None] | None = None
         self.queued = False
         """It started with every engine slot busy (so its TTFT includes queueing); set by the worker."""
@@ -75,7 +77,34 @@ class Record:
         """Events produced so far (kept or evicted)."""
         return self.evicted + len(self.events)
 
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call listener on every new event and on finish; until unsubscribed, it counts as an attached reader.
+
+        An append merged into an unread chunk calls nobody: the subscriber was
+        told of that chunk and has not taken it yet.
+        """
+        self._listeners.append(listener)
+        self.attached += 1
+
+    def unsubscribe(self, listener: Callable[[], None]) -> None:
+        """Stop calling listener; the record is detached (its resume grace starts) when no reader is left."""
+        self._listeners.remove(listener)
+        self.attached -= 1
+        if not self.attached:
+            self.detached_at = time.monotonic()
+
+    def too_slow(self) -> ResourceExhausted:
+        """The error of a reader the generation ran further ahead of than the replay buffer holds."""
+        return ResourceExhausted(
+            f"reader too slow: generation {self.request_id} ran more than {self.max_bytes} "
+            "bytes ahead of it; read faster, or Resume from the last seq received",
+            reason="READER_TOO_SLOW",
+            metadata={"request_id": self.request_id},
+        )
+
     def _wake(self) -> None:
+        for listener in self._listeners:
+            listener()
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -162,12 +191,7 @@ class Record:
             while True:
                 while position < self.total:
                     if position < self.evicted:
-                        raise ResourceExhausted(
-                            f"reader too slow: generation {self.request_id} ran more than {self.max_bytes} "
-                            "bytes ahead of it; read faster, or Resume from the last seq received",
-                            reason="READER_TOO_SLOW",
-                            metadata={"request_id": self.request_id},
-                        )
+                        raise self.too_slow()
                     event = self.events[position - self.evicted]
                     position += 1
                     self.read = max(self.read, position)

@@ -9,35 +9,19 @@ from typing import Any
 
 import grpc
 from opentelemetry import trace
-from opentelemetry.trace import StatusCode
 
 from tokenmesh import logs
-from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable, label
+from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from tokenmesh.tracing import from_mapping, inject, parent
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.validation import check_max_tokens, check_request, require_request_id
 from tokenmesh.worker._backend import Backend, BackendError, GenerationParams, ModelSpec
 from tokenmesh.worker._devices import DeviceReader
 from tokenmesh.worker._limits import Limits
+from tokenmesh.worker._link import WorkerLink, trace_event
 from tokenmesh.worker._metrics import WorkerMetrics, WorkerState
 from tokenmesh.worker._registry import Record, Registry
 from tokenmesh.worker._telemetry import Telemetry
-
-
-def _trace_event(span: trace.Span, event: worker_pb2.WorkerEvent) -> None:
-    """The engine's first token as an event; the end's finish reason and usage, or the failure, on the span."""
-    kind = event.WhichOneof("event")
-    if kind == "chunk":
-        if event.chunk.HasField("engine_ttft_ms"):
-            span.add_event("gen_ai.first_token", {"tokenmesh.engine_ttft_ms": event.chunk.engine_ttft_ms})
-    elif kind == "end":
-        reason = label(event.end.finish_reason, inference_pb2.FinishReason)
-        span.set_attribute("gen_ai.response.finish_reasons", [reason])
-        span.set_attribute("gen_ai.usage.input_tokens", event.end.usage.prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", event.end.usage.completion_tokens)
-    elif kind == "error":
-        span.set_attribute("error.type", worker_pb2.ErrorClass.Name(event.error.error_class))
-        span.set_status(StatusCode.ERROR, event.error.message)
 
 
 def _start_command(first: worker_pb2.WorkerCommand | None) -> worker_pb2.WorkerCommand:
@@ -217,24 +201,37 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         (detached) for the resume grace period; ``Attach`` picks it up.
         """
         first = _start_command(await anext(aiter(request_iterator), None))
-        spec = self._admit(first.start)
-        span = self._span(first, spec, context.invocation_metadata())
-        # Triton, tracing, makes its spans children of ours (or of the router's: a no-op span carries its context).
-        params = generation_params(first, spec, context.time_remaining(), tuple(inject(span).items()))
-        logs.about(params.request_id, span)  # before the pump task starts: it copies this context
-        record = self._start(first, params)
+        record, span = self._begin(first, context.invocation_metadata(), context.time_remaining())
         watcher = asyncio.create_task(self._watch_commands(request_iterator, record))
-        span.set_attribute("tokenmesh.first_seq", record.first_seq)
         tracing = span.is_recording()  # asked once: with tracing off, an event costs no tracing work
         try:
             async for event in record.stream(record.first_seq - 1):
                 if tracing:
-                    _trace_event(span, event)
+                    trace_event(span, event)
                 yield event
         finally:
             span.end()
             watcher.cancel()
             self._release(record, resumable=first.resumable)
+
+    def _begin(
+        self,
+        first: worker_pb2.WorkerCommand,
+        metadata: Iterable[tuple[str, Any]] | None = None,
+        time_remaining: float | None = None,
+    ) -> tuple[Record, trace.Span]:
+        """Admit, trace and start the generation of a start command (a Generate call's, or a Link stream's).
+
+        Raises the MeshError that refuses it (not serving, at the limit, a bad request, a model not served here).
+        """
+        spec = self._admit(first.start)
+        span = self._span(first, spec, metadata)
+        # Triton, tracing, makes its spans children of ours (or of the router's: a no-op span carries its context).
+        params = generation_params(first, spec, time_remaining, tuple(inject(span).items()))
+        logs.about(params.request_id, span)  # before the pump task starts: it copies this context
+        record = self._start(first, params)
+        span.set_attribute("tokenmesh.first_seq", record.first_seq)
+        return record, span
 
     def _admit(self, req: inference_pb2.GenerateRequest) -> ModelSpec:
         """The model a started request runs on, or why this worker does not take it now."""
@@ -301,9 +298,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _watch_commands(self, commands: AsyncIterator[worker_pb2.WorkerCommand], record: Record) -> None:
         """Stop the generation when its stream sends a cancel (while the record is still this stream's)."""
         async for command in commands:
-            if command.WhichOneof("command") == "cancel" and self.registry.records.get(record.request_id) is record:
-                self.registry.cancel(record.request_id)
+            if command.WhichOneof("command") == "cancel":
+                self._stop(record)
                 return
+
+    def _stop(self, record: Record) -> None:
+        """A cancel command: stop and forget the generation (if the record is still the one held by its id)."""
+        if self.registry.records.get(record.request_id) is record:
+            self.registry.cancel(record.request_id)
 
     def _release(self, record: Record, *, resumable: bool) -> None:
         """The stream is over: a generation no one will resume is forgotten (delivered) or cancelled (caller gone)."""
@@ -331,6 +333,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not self.registry.cancel(request.request_id):
             raise NotFound(f"no generation {request.request_id!r} on this worker")
         return inference_pb2.CancelResponse(cancelled=True)
+
+    async def Link(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[worker_pb2.LinkCommands], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[worker_pb2.LinkEvents]:
+        """Every generation of one router on one call: starts, cancels and credit in; batched chunks and ends out."""
+        link = WorkerLink(self._begin, self._stop, lambda record, resumable: self._release(record, resumable=resumable))
+        async for events in link.run(request_iterator):
+            yield events
 
     async def Stats(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[worker_pb2.StatsPing], context: grpc.aio.ServicerContext[Any, Any]

@@ -1,0 +1,374 @@
+"""The router's side of ``Worker/Link``: one call per worker carrying every generation this router runs there.
+
+A :class:`LinkSession` is one open call: one reader task (the per-peer task
+on the worker's :class:`~tokenmesh.links.Link`) and one writer task, nothing
+per generation. Each attempt of a generation is an :class:`Attempt`, which
+:meth:`~tokenmesh.router._relay.Relay.run` reads as it reads a
+``Worker/Generate`` call (``read``/``write``/``cancel``): the same seq checks,
+stall watchdog, outcome rules and failover loop. The reader demuxes each
+message's columns into the attempts' mailboxes and never waits for a
+consumer; credit bounds every mailbox. A consumer returns the bytes it took
+in batches (a quarter of the window), coalesced into the writer's next
+message with pending starts, cancels and detaches.
+
+A worker that answers UNIMPLEMENTED predates the call: it is marked
+per-generation (the spares and ``Worker/Generate``, as before) until its link
+is renewed or dropped. A link that breaks fails every attempt on it at once
+(``WorkerFailed``, kind ``link_<code>``): each generation's failover loop
+continues it elsewhere, seq contiguous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Any
+
+import grpc
+
+from tokenmesh.errors import label, rpc_error
+from tokenmesh.links import Link
+from tokenmesh.retry import Reconnect
+from tokenmesh.router._outcome import WorkerFailed
+from tokenmesh.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SETTINGS_WAIT_S = 5.0
+"""How long a new link waits for the worker's LinkSettings before it counts as broken."""
+DEFAULT_MAX_BATCH_BYTES = 256 * 1024
+"""The router's bound on one LinkCommands when the worker's settings name none."""
+CHUNK_OVERHEAD = 16
+"""Credit a chunk costs beyond its text's bytes (as the worker counts it)."""
+LINK = "worker link"
+"""The name of the per-peer task that holds a worker's link session."""
+
+Item = worker_pb2.WorkerEvent | BaseException
+"""What an attempt's mailbox holds: the worker's events, then the error that ends the attempt, if any."""
+
+
+class Attempt:
+    """One attempt of a generation on a link: read like a Worker/Generate call (``read``, ``write``, ``cancel``).
+
+    Args:
+        session: the link it runs on.
+        stream: its id on the link.
+
+    """
+
+    __slots__ = ("_closed", "_ended", "_mailbox", "_owed", "_session", "_waiter", "stream")
+
+    stream: int
+    _session: LinkSession
+    _mailbox: deque[Item]
+    _waiter: asyncio.Future[None] | None
+    _owed: int
+    """Credit taken by the consumer and not yet returned to the worker."""
+    _ended: bool
+    """The worker ended the stream (or the link broke): nothing more comes, nothing to detach."""
+    _closed: bool
+    """The router let go of it (cancel())."""
+
+    def __init__(self, session: LinkSession, stream: int) -> None:
+        self.stream = stream
+        self._session = session
+        self._mailbox = deque()
+        self._waiter = None
+        self._owed = 0
+        self._ended = False
+        self._closed = False
+
+    # -- fed by the session's reader (never awaits) --
+
+    def put(self, item: Item, *, last: bool = False) -> None:
+        """An event (or the error that ends the attempt) for the consumer; wake it if it waits."""
+        self._mailbox.append(item)
+        self._ended = self._ended or last
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def end(self, end: worker_pb2.LinkEnd) -> None:
+        """The worker ended the stream: its end or error event, or the status its own call would have ended with."""
+        self.put(end.event if end.HasField("event") else rpc_error(end.status), last=True)
+
+    # -- the consumer's side (Relay.run) --
+
+    async def read(self) -> worker_pb2.WorkerEvent:
+        """The next event; raises the status or link failure that ended the attempt (CancelledError once cancelled)."""
+        if not self._mailbox:
+            if self._closed:
+                raise asyncio.CancelledError
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._mailbox.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        if item.HasField("chunk"):
+            self._owed += len(item.chunk.text.encode()) + CHUNK_OVERHEAD
+            if self._owed >= self._session.grant_at:  # coalesced: not a credit message per chunk
+                self._session.grant(self.stream, self._owed)
+                self._owed = 0
+        return item
+
+    async def write(self, command: worker_pb2.WorkerCommand) -> None:
+        """Send a start or a cancel as the link's command for this stream (queued for the writer)."""
+        if command.WhichOneof("command") == "start":
+            self._session.send(worker_pb2.LinkCommand(stream=self.stream, start=command))
+        elif not self._ended:
+            self._session.send(worker_pb2.LinkCommand(stream=self.stream, cancel=command.cancel))
+
+    def cancel(self) -> bool:
+        """Let go: a pending read raises CancelledError (a stall); a stream the worker has not ended is detached.
+
+        Detached, the worker keeps a resumable generation for Resume and cancels any other (as a dropped
+        Generate call).
+        """
+        if self._closed:
+            return False
+        self._closed = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.cancel()
+        if not self._ended:
+            self._session.detach(self.stream)
+        return True
+
+    def done(self) -> bool:
+        """Whether the attempt is over on the link."""
+        return self._ended or self._closed
+
+
+class LinkSession:
+    """One open Worker/Link call: its attempts by stream id, and the commands and credit waiting for the writer.
+
+    Args:
+        call: the Link call, its settings read.
+        settings: what the worker announced.
+
+    """
+
+    call: Any  # a grpc.aio StreamStreamCall (stubs are untyped)
+    settings: worker_pb2.LinkSettings
+    attempts: dict[int, Attempt]
+    grant_at: int
+    """Credit owed by an attempt that is returned in one grant: a quarter of the window."""
+    _next: int
+    _commands: list[worker_pb2.LinkCommand]
+    _credit: dict[int, int]
+    retired: bool
+    """Out of ``sessions`` (its link task was cancelled): it serves the attempts on it, and no new ones."""
+    _flush: asyncio.Event
+    _open: bool
+
+    def __init__(self, call: Any, settings: worker_pb2.LinkSettings) -> None:
+        self.call = call
+        self.settings = settings
+        self.attempts = {}
+        self.grant_at = max(1, settings.default_window_bytes // 4)
+        self._next = 0
+        self._commands = []
+        self._credit = {}
+        self._flush = asyncio.Event()
+        self._open = True
+        self.retired = False
+
+    def attempt(self) -> Attempt:
+        """A new stream on the link (started by its first write)."""
+        self._next += 1
+        attempt = self.attempts[self._next] = Attempt(self, self._next)
+        return attempt
+
+    def send(self, command: worker_pb2.LinkCommand) -> None:
+        """Queue a command for the writer's next message."""
+        self._commands.append(command)
+        self._flush.set()
+
+    def grant(self, stream: int, credit: int) -> None:
+        """Return credit to a stream in the writer's next message."""
+        self._credit[stream] = self._credit.get(stream, 0) + credit
+        self._flush.set()
+
+    def detach(self, stream: int) -> None:
+        """The router let go of a stream the worker has not ended."""
+        if self.attempts.pop(stream, None) is not None and self._open:
+            self.send(worker_pb2.LinkCommand(stream=stream, detach=worker_pb2.LinkDetach()))
+        self._close_if_done()
+
+    def retire(self) -> None:
+        """No new attempts come (the session left ``sessions``): close the call once the last one has ended."""
+        self.retired = True
+        self._close_if_done()
+
+    def _close_if_done(self) -> None:
+        if self.retired and not self.attempts:
+            self.call.cancel()  # the worker releases what is left: resumable generations run on for Attach
+
+    async def write_loop(self) -> None:
+        """Everything pending when it runs, as one message; what comes during a write goes in the next."""
+        while True:
+            await self._flush.wait()
+            self._flush.clear()
+            credit, self._credit = self._credit, {}
+            message = worker_pb2.LinkCommands(
+                commands=self._take_commands(), credit_stream=list(credit), credit_bytes=list(credit.values())
+            )
+            if self._commands:
+                self._flush.set()  # the rest goes in the next message
+            try:
+                await self.call.write(message)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                return  # the call ended: the reader sees how, and fails the attempts
+
+    def _take_commands(self) -> list[worker_pb2.LinkCommand]:
+        """The pending commands that fit in max_batch_bytes (at least one).
+
+        Many big prompts queued during one write must not make a message over the call's limit, which would end
+        the link and every stream on it.
+        """
+        limit = self.settings.max_batch_bytes or DEFAULT_MAX_BATCH_BYTES
+        size = 0
+        for taken, command in enumerate(self._commands):
+            size += command.ByteSize()
+            if size > limit and taken:
+                batch, self._commands = self._commands[:taken], self._commands[taken:]
+                return batch
+        batch, self._commands = self._commands, []
+        return batch
+
+    async def read_loop(self) -> None:
+        """Deliver every message to its attempts until the call ends (then raise how it ended)."""
+        while True:
+            message = await self.call.read()
+            if message is grpc.aio.EOF:
+                raise ConnectionError("the worker ended the link")
+            self._deliver(message)
+
+    def _deliver(self, message: worker_pb2.LinkEvents) -> None:
+        attempts = self.attempts
+        ttft = message.engine_ttft_ms
+        for stream, seq, text, tokens in zip(
+            message.chunk_stream, message.chunk_seq, message.chunk_text, message.chunk_tokens, strict=False
+        ):
+            attempt = attempts.get(stream)
+            if attempt is None:
+                continue  # detached meanwhile
+            event = worker_pb2.WorkerEvent(seq=seq, chunk=worker_pb2.TokenChunk(text=text, token_count=tokens))
+            if ttft and stream in ttft:
+                event.chunk.engine_ttft_ms = ttft[stream]
+            attempt.put(event)
+        for end in message.ends:
+            ended = attempts.pop(end.stream, None)
+            if ended is not None:
+                ended.end(end)
+        if message.ends:
+            self._close_if_done()
+
+    def fail(self, failure: WorkerFailed) -> None:
+        """The link broke: every attempt on it fails at once (each moves on to another worker)."""
+        self._open = False
+        attempts, self.attempts = self.attempts, {}
+        for attempt in attempts.values():
+            attempt.put(failure, last=True)
+
+
+class LinkSessions:
+    """The usable link session per worker (none: that worker gets per-generation calls), and what each worker speaks.
+
+    ``run`` is the body of each worker link's ``worker link`` task.
+    """
+
+    sessions: dict[str, LinkSession]
+    modes: dict[str, str]
+    """Per worker: "batched" (a Link is open), "per-generation" (it answered UNIMPLEMENTED); absent: not known yet."""
+    _serving: set[asyncio.Task[None]]
+    """Every session's reader task, retired ones too (held so none is collected while it runs)."""
+
+    def __init__(self) -> None:
+        self.sessions = {}
+        self.modes = {}
+        self._serving = set()
+
+    def get(self, address: str) -> LinkSession | None:
+        """The worker's open session, if any."""
+        return self.sessions.get(address)
+
+    async def run(self, link: Link) -> None:
+        """Keep a Link call open to the worker, reopened when it breaks (a per-peer task: runs until cancelled)."""
+        reconnect = Reconnect("worker link", link.address, logger=log)
+        while True:
+            try:
+                await self._serve(link, reconnect)
+                failure: BaseException = ConnectionError("the worker ended the link")
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    await self._per_generation(link.address)
+                failure = exc
+            except Exception as exc:  # whatever broke the link, it must not stop the router
+                failure = exc
+            await reconnect.failed(failure, retry_on=lambda _: True)
+
+    async def _per_generation(self, address: str) -> None:
+        """A worker that predates Link: Generate it is, until its link is renewed or dropped (then asked again)."""
+        log.info("worker %s does not serve Worker/Link: one Worker/Generate call per generation", address)
+        self.modes[address] = "per-generation"
+        await asyncio.get_running_loop().create_future()
+
+    async def _serve(self, link: Link, reconnect: Reconnect) -> None:
+        """Open the worker's Link and serve it until it breaks (raising how).
+
+        When this task is cancelled (the worker dropped, its channel renewed, the router stopping), the session
+        takes no new attempts but keeps serving the ones on it until they end (or its channel is closed).
+        """
+        call = link.stub(worker_pb2_grpc.WorkerStub).Link()
+        try:
+            first = await asyncio.wait_for(call.read(), SETTINGS_WAIT_S)
+            if first is grpc.aio.EOF or not first.HasField("settings"):
+                raise ConnectionError("the worker ended the link before its settings")
+        except BaseException:
+            call.cancel()
+            raise
+        session = self.sessions[link.address] = LinkSession(call, first.settings)
+        self.modes[link.address] = "batched"
+        reconnect.connected()
+        serving = asyncio.create_task(_serve_session(session), name=f"worker link {link.address}")
+        self._serving.add(serving)
+        serving.add_done_callback(self._serving.discard)
+        serving.add_done_callback(_ended)
+        try:
+            await asyncio.shield(serving)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and not task.cancelling():  # the call was cancelled under it, not this task
+                raise ConnectionError("the link's call was cancelled") from None
+            raise
+        finally:
+            if self.sessions.get(link.address) is session:
+                del self.sessions[link.address]
+            session.retire()
+
+
+def _ended(task: asyncio.Task[None]) -> None:
+    """Take the outcome of a session's task whose link task was cancelled meanwhile (nobody else awaits it)."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _serve_session(session: LinkSession) -> None:
+    """One session's reader and writer; when the call ends, every attempt still on it fails (and moves on)."""
+    writer = asyncio.create_task(session.write_loop())
+    failure = WorkerFailed("the link to the worker was closed", "link_closed")
+    try:
+        await session.read_loop()
+    except grpc.aio.AioRpcError as exc:
+        failure = WorkerFailed(f"link broke: {exc.code().name}: {exc.details()}", f"link_{label(exc.code())}")
+        raise
+    except ConnectionError as exc:
+        failure = WorkerFailed(str(exc), "link_closed")
+        raise
+    finally:
+        writer.cancel()
+        session.call.cancel()
+        session.fail(failure)
