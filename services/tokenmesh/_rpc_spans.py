@@ -64,6 +64,8 @@ from opentelemetry.propagate import extract, inject
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from tokenmesh.errors import code_of
+
 _SCHEMA = "https://opentelemetry.io/schemas/1.11.0"  # what the instrumentation's own factories use
 _PROPAGATOR = TraceContextTextMapPropagator()
 RPC_GRPC_STATUS_CODE = "rpc.grpc.status_code"
@@ -115,14 +117,11 @@ def _peer_attributes(peer: str) -> dict[str, Any]:
     return {"network.peer.address": host.strip("[]"), "network.peer.port": int(port) if port.isdigit() else port}
 
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
 def _status_code(code: Any) -> grpc.StatusCode:
     """A ServicerContext's code(): None until set, then a grpc.StatusCode (or its number after set_code)."""
     if code is None:
         return grpc.StatusCode.OK
-    return code if isinstance(code, grpc.StatusCode) else _CODES.get(int(code), grpc.StatusCode.UNKNOWN)
+    return code if isinstance(code, grpc.StatusCode) else code_of(int(code))
 
 
 def _close(span: trace.Span, task: asyncio.Task[Any] | None, context: grpc.aio.ServicerContext[Any, Any]) -> None:

@@ -286,9 +286,14 @@ def from_rpc_error(error: grpc.aio.AioRpcError | _Call) -> MeshError:
 _CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 
 
+def code_of(number: int) -> grpc.StatusCode:
+    """The gRPC code with this number (UNKNOWN for a number gRPC does not define)."""
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def status_code(status: status_pb2.Status) -> grpc.StatusCode:
     """The gRPC code of a ``google.rpc.Status`` (UNKNOWN for a number gRPC does not define)."""
-    return _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    return code_of(status.code)
 
 
 def rpc_error(status: status_pb2.Status) -> grpc.aio.AioRpcError:

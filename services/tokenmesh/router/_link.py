@@ -175,6 +175,11 @@ class LinkSession:
         self._open = True
         self.retired = False
 
+    @property
+    def open(self) -> bool:
+        """Whether the link still carries attempts (False once it broke)."""
+        return self._open
+
     def attempt(self) -> Attempt:
         """A new stream on the link (started by its first write)."""
         self._next += 1
@@ -270,8 +275,8 @@ class LinkSession:
         """The link broke: every attempt on it fails at once (each moves on to another worker)."""
         self._open = False
         attempts, self.attempts = self.attempts, {}
-        for attempt in attempts.values():
-            attempt.put(failure, last=True)
+        for attempt in attempts.values():  # an exception each: raised in many tasks, one would share its traceback
+            attempt.put(WorkerFailed(str(failure), failure.kind), last=True)
 
 
 class LinkSessions:
@@ -292,8 +297,13 @@ class LinkSessions:
         self._serving = set()
 
     def get(self, address: str) -> LinkSession | None:
-        """The worker's open session, if any."""
-        return self.sessions.get(address)
+        """The worker's open session, if any.
+
+        A session whose link just broke stays in ``sessions`` until its task wakes (a few loop turns later); an
+        attempt started on it would hear nothing until the first-token timeout blamed the worker for a stall.
+        """
+        session = self.sessions.get(address)
+        return session if session is not None and session.open else None
 
     async def run(self, link: Link) -> None:
         """Keep a Link call open to the worker, reopened when it breaks (a per-peer task: runs until cancelled)."""
@@ -314,7 +324,10 @@ class LinkSessions:
         """A worker that predates Link: Generate it is, until its link is renewed or dropped (then asked again)."""
         log.info("worker %s does not serve Worker/Link: one Worker/Generate call per generation", address)
         self.modes[address] = "per-generation"
-        await asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.get_running_loop().create_future()
+        finally:
+            self.modes.pop(address, None)  # dropped or renewed: asked again, or gone
 
     async def _serve(self, link: Link, reconnect: Reconnect) -> None:
         """Open the worker's Link and serve it until it breaks (raising how).
@@ -347,6 +360,7 @@ class LinkSessions:
         finally:
             if self.sessions.get(link.address) is session:
                 del self.sessions[link.address]
+                self.modes.pop(link.address, None)  # not known again until the next session opens
             session.retire()
 
 

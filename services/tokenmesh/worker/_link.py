@@ -22,15 +22,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
-from tokenmesh.errors import InvalidArgument, MeshError, ResourceExhausted, label
+from tokenmesh.errors import Internal, InvalidArgument, MeshError, ResourceExhausted, label
 from tokenmesh.v1 import inference_pb2, worker_pb2
 from tokenmesh.worker._registry import Record
+
+log = logging.getLogger(__name__)
 
 PROTOCOL = 1
 """The Link protocol this worker speaks (LinkSettings.protocol)."""
@@ -252,7 +255,10 @@ class WorkerLink:
                 )
             # Each generation's pump task copies this context: its log lines and spans are about its own request.
             record, span = contextvars.copy_context().run(self._begin, command.start)
-        except MeshError as error:
+        except Exception as exc:  # one bad start ends its own stream, never the link's other streams
+            error = exc if isinstance(exc, MeshError) else Internal(f"the worker could not start it: {exc!r}")
+            if error is not exc:
+                log.exception("start of stream %d on a link failed", stream)
             self.ends.append(worker_pb2.LinkEnd(stream=stream, status=error.status()))
             self._kick()
             return

@@ -201,7 +201,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         (detached) for the resume grace period; ``Attach`` picks it up.
         """
         first = _start_command(await anext(aiter(request_iterator), None))
-        record, span = self._begin(first, context.invocation_metadata(), context.time_remaining())
+        record, span = self._begin(first, context.invocation_metadata() or (), context.time_remaining())
         watcher = asyncio.create_task(self._watch_commands(request_iterator, record))
         tracing = span.is_recording()  # asked once: with tracing off, an event costs no tracing work
         try:
@@ -269,9 +269,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         A router that does not trace sends its caller's context in the start command (on a call opened ahead of
         need); otherwise the context is in the call's metadata, and while this worker traces, the call's RPC server
-        span (the current span) is the parent.
+        span (the current span) is the parent. A Link stream (metadata None) takes only the start command's
+        context: the current span there is the link call's, which lives for hours and is no generation's parent.
         """
-        context = from_mapping(first.trace_context) if first.trace_context else parent(metadata)
+        linked = metadata is None
+        context = from_mapping(first.trace_context) if first.trace_context or linked else parent(metadata)
         return self.tracer.start_span(
             f"generate {spec.name}",
             context=context,
@@ -287,11 +289,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _start(self, first: worker_pb2.WorkerCommand, params: GenerationParams) -> Record:
         """Count the generation in flight and start it on the backend (queued when every slot is taken)."""
         queued = self.in_flight >= self.limits.slots()
+        generation = self._backend.generate(params)  # may raise (Triton gone): nothing is counted yet
         self.in_flight += 1
         self.idle.clear()
-        record = self.registry.start(
-            params.request_id, first.first_seq or 1, first.tokens_before, self._backend.generate(params)
-        )
+        record = self.registry.start(params.request_id, first.first_seq or 1, first.tokens_before, generation)
         record.queued = queued
         return record
 
