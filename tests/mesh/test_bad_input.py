@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.support.mesh import InProcessMesh
+from tests.support.mesh import InProcessMesh, expected_text
 from tokenmesh.errors import rpc_error
 from tokenmesh.v1 import (
     inference_pb2,
@@ -366,10 +366,6 @@ def params() -> list[Any]:
         for cases in CASES.values()
         for name, case in cases.items()
     ]
-
-
-def expected_text(n: int) -> str:
-    return "".join(f"tok{i} " for i in range(n))
 
 
 @pytest.mark.parametrize("case", params())

@@ -7,13 +7,9 @@ import asyncio
 import grpc
 import pytest
 
-from tests.support.mesh import InProcessMesh, in_process_mesh, stats, wait_until
+from tests.support.mesh import InProcessMesh, collect, in_process_mesh, stats, wait_until
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker import BackendError
-
-
-async def collect(mesh: InProcessMesh, **fields) -> list[inference_pb2.GenerateChunk]:
-    return [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(**fields))]
 
 
 async def test_device_oom_lowers_the_limit_and_the_request_runs_elsewhere(mesh: InProcessMesh) -> None:

@@ -8,14 +8,10 @@ import grpc
 import pytest
 
 from tests.support.fakes import FakeBackend
-from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
+from tests.support.mesh import InProcessMesh, expected_text, in_process_mesh, wait_until
 from tokenmesh.errors import OutOfRange, ResourceExhausted
 from tokenmesh.v1 import inference_pb2, worker_pb2
 from tokenmesh.worker import GenerationParams, Record, Registry
-
-
-def expected_text(n: int) -> str:
-    return "".join(f"tok{i} " for i in range(n))
 
 
 async def read_n(call, n: int) -> list[inference_pb2.GenerateChunk]:

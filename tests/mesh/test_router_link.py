@@ -10,28 +10,13 @@ import grpc
 import pytest
 
 from tests.support.fakes import FakeBackend
-from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
+from tests.support.mesh import InProcessMesh, assert_exact, collect, in_process_mesh, wait_until
 from tests.support.tcp_proxy import TcpProxy
 from tokenmesh.errors import Unimplemented
 from tokenmesh.router import Router, RouterConfig
 from tokenmesh.router._spares import SPARE
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
 from tokenmesh.worker import Worker, WorkerConfig, WorkerServicer
-
-
-def expected_text(n: int) -> str:
-    return "".join(f"tok{i} " for i in range(n))
-
-
-def assert_exact(chunks: list[inference_pb2.GenerateChunk], n: int) -> None:
-    assert [c.seq for c in chunks] == list(range(1, len(chunks) + 1))
-    assert "".join(c.text for c in chunks) == expected_text(n)  # nothing repeated, nothing lost
-    assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
-    assert chunks[-1].usage.completion_tokens == n == sum(c.token_count for c in chunks)
-
-
-async def collect(mesh: InProcessMesh, **fields: Any) -> list[inference_pb2.GenerateChunk]:
-    return [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(**fields))]
 
 
 async def links(mesh: InProcessMesh) -> list[str]:

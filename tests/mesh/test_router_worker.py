@@ -8,13 +8,9 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
+from tests.support.mesh import InProcessMesh, collect, in_process_mesh, wait_until
 from tokenmesh.router._spares import SPARE
 from tokenmesh.v1 import inference_pb2, router_pb2
-
-
-async def collect(mesh: InProcessMesh, **fields) -> list[inference_pb2.GenerateChunk]:
-    return [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(**fields))]
 
 
 async def test_chunks_have_contiguous_seq_and_a_final_chunk(mesh: InProcessMesh) -> None:

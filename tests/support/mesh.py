@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from tokenmesh.errors import ErrorInterceptor
 from tokenmesh.router import Router, RouterConfig
-from tokenmesh.v1 import inference_pb2_grpc, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
 
 from .fakes import FakeBackend
@@ -118,3 +118,21 @@ async def behind_error_interceptor(servicer: health_pb2_grpc.HealthServicer) -> 
             yield channel
     finally:
         await server.stop(0)
+
+
+async def collect(mesh: InProcessMesh, **fields: Any) -> list[inference_pb2.GenerateChunk]:
+    """Every chunk of one Generate through the mesh's router."""
+    return [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(**fields))]
+
+
+def expected_text(n: int) -> str:
+    """What the fake backend streams for n tokens."""
+    return "".join(f"tok{i} " for i in range(n))
+
+
+def assert_exact(chunks: list[inference_pb2.GenerateChunk], n: int) -> None:
+    """seq 1..N, the n tokens' text once each (nothing repeated, nothing lost), a LENGTH end counting n."""
+    assert [c.seq for c in chunks] == list(range(1, len(chunks) + 1))
+    assert "".join(c.text for c in chunks) == expected_text(n)
+    assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+    assert chunks[-1].usage.completion_tokens == n == sum(c.token_count for c in chunks)
