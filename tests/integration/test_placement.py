@@ -1,4 +1,4 @@
-"""Placement and limits with the services started one by one, as Kubernetes runs them (synthetic model, real Triton)."""
+"""Placement and limits with the services started all at once, as Kubernetes does (synthetic model, real Triton)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.support.dns_server import free_port_on
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
@@ -23,31 +24,26 @@ TOKENS = 4000
 """4 s per stream at the synthetic model's 1,000 tokens/s: long enough to sample all 16 running."""
 
 
-def test_sixteen_callers_run_at_once_on_workers_started_one_by_one(tmp_path: Path) -> None:
+def test_sixteen_callers_run_at_once_on_workers_started_with_router_and_prober(tmp_path: Path) -> None:
     mesh = Mesh(MeshConfig(port=0, log_dir=str(tmp_path / "logs")))
     try:
-        # `tokenmesh worker` x3, each with its own Triton and 64 slots, no pinning; then router and prober.
-        for i in range(WORKERS):
+        # `tokenmesh worker` x3, each with its own Triton and 64 slots, no pinning, router and prober: all at
+        # once, as Kubernetes starts pods (the router and prober come up long before any worker's model loads).
+        addresses = [f"127.0.0.1:{free_port_on('127.0.0.1')}" for _ in range(WORKERS)]
+        for i, address in enumerate(addresses):
             mesh.workers.append(
                 mesh.spawn(
                     f"worker-{i}",
                     "worker",
-                    "--port",
-                    "0",
-                    "--work-dir",
-                    str(tmp_path / f"worker-{i}"),
-                    "--model-repository",
-                    str(SHIPPED_REPOSITORIES["synthetic"]),
+                    *("--port", address.rsplit(":", 1)[1], "--work-dir", str(tmp_path / f"worker-{i}")),
+                    *("--model-repository", str(SHIPPED_REPOSITORIES["synthetic"])),
                 )
             )
-        mesh.wait_ready(mesh.workers)
-        addresses = ",".join(w.address for w in mesh.workers)
-        mesh.router = mesh.spawn("router", "router", "--port", "0", "--workers", addresses)
-        mesh.wait_ready([mesh.router])
-        mesh.prober = mesh.spawn(
-            "prober", "prober", "--port", "0", "--workers", addresses, "--routers", mesh.router.address
-        )
-        mesh.wait_ready([mesh.prober])
+        router_address = f"127.0.0.1:{free_port_on('127.0.0.1')}"
+        workers = ",".join(addresses)
+        mesh.router = mesh.spawn("router", "router", "--port", router_address.rsplit(":", 1)[1], "--workers", workers)
+        mesh.prober = mesh.spawn("prober", "prober", "--port", "0", "--workers", workers, "--routers", router_address)
+        mesh.wait_ready([*mesh.workers, mesh.router, mesh.prober])
         pids = mesh_pids(mesh)
         with grpc.insecure_channel(mesh.router.address) as channel:
             wait_all_serving(channel, WORKERS)
@@ -84,7 +80,9 @@ def test_sixteen_callers_run_at_once_on_workers_started_one_by_one(tmp_path: Pat
     # All 16 ran at once, spread over the three workers (16 = 6 + 5 + 5).
     full = [s for s in samples if sum(w.in_flight for w in s.workers) == CALLERS]
     assert full, f"never {CALLERS} in flight: {[sum(w.in_flight for w in s.workers) for s in samples]}"
-    assert all(sorted(w.in_flight for w in s.workers) == [5, 5, 6] for s in full)
+    assert all(sorted(w.in_flight for w in s.workers) == [5, 5, 6] for s in full), [
+        [(w.in_flight, w.weight, w.concurrency_limit) for w in s.workers] for s in full
+    ]
     # Limits never fell below the demand: the engines' 64 slots each, all along.
     limits = {w.concurrency_limit for s in samples for w in s.workers}
     assert limits == {64}, limits

@@ -206,7 +206,10 @@ class Prober(Service):
                     state=w.state,
                     reason=w.reason,
                     triton_url=stats.triton_url if stats else "",
-                    concurrency_limit=stats.concurrency_limit if stats else 0,
+                    # A limit measured while the worker was not serving (no model loaded yet: 1) would hold a
+                    # worker that just became SERVING at one generation until its next stats; 0 = the router keeps
+                    # its own (the worker's Describe when it became SERVING).
+                    concurrency_limit=stats.concurrency_limit if stats and stats.serving else 0,
                 )
             )
         return result

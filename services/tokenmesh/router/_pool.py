@@ -183,7 +183,9 @@ class WorkerPool:
         if described is not None:
             entry.models = {m.name: m for m in described.models}
             entry.triton_url = described.triton_url
-            if not entry.limit or not self.version:  # a table's limit wins once one is in force
+            # A table's limit wins once one is in force, except over a worker coming (back) to SERVING: the
+            # table's was measured while it had no model loaded (a limit of 1), its Describe's now is its slots.
+            if not entry.limit or not self.version or (serving and not entry.healthy):
                 entry.limit = described.concurrency_limit
         entry.healthy = serving
         if not self.version:  # and so does a table's reason

@@ -66,6 +66,17 @@ class AdaptiveLimit:
         """The limit from the engine's queue alone."""
         return self._value
 
+    def resize(self, maximum: int) -> None:
+        """The engine's slots changed (models loaded, unloaded or reloaded): the new bound.
+
+        A limit at its old bound (the engine kept up) moves to the new one at once: a worker whose models load
+        after its first poll (it starts with 1, the floor of no model at all) serves all its slots as soon as
+        they exist, not one more per poll. A limit the engine's queue lowered stays lowered, within the new bound.
+        """
+        unconstrained = self._value >= self.maximum
+        self.maximum = max(maximum, self.minimum)
+        self._value = self.maximum if unconstrained else min(self._value, self.maximum)
+
     def sample(self, ttft_ms: float, queued: bool) -> None:
         """Record one generation's TTFT (``queued``: it started with every engine slot busy); baseline only."""
         if not queued:

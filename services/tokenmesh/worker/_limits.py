@@ -74,10 +74,17 @@ class Limits:
         return grown
 
     def adaptive(self) -> AdaptiveLimit:
-        """The engine-queue- and memory-driven limit (made once the models, hence the slots, are known)."""
+        """The engine-queue- and memory-driven limit, bounded by the slots of the models loaded now.
+
+        The slots are read on every call, not once: the first call often comes before the engine has loaded
+        anything (a prober's first Stats poll, long before Triton is ready), and models load, unload and reload
+        (a Triton restart) while the worker runs.
+        """
+        slots = self.slots()
         if self._adaptive is None:
-            slots = self.slots()
             self._adaptive = AdaptiveLimit(initial=slots, maximum=slots, memory_threshold=self._memory_threshold)
+        elif self._adaptive.maximum != slots:
+            self._adaptive.resize(slots)
         return self._adaptive
 
     def concurrency_limit(self, in_flight: int) -> int:

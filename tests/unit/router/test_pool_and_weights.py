@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from tokenmesh.errors import NotFound, Unavailable
-from tokenmesh.prober import MIN_WEIGHT, Scoring, WorkerView, compute_weight
+from tokenmesh.prober import MIN_WEIGHT, Prober, ProberConfig, Scoring, WorkerView, compute_weight
 from tokenmesh.router import WorkerPool
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
 
@@ -266,3 +266,23 @@ def test_round_robin_and_least_loaded_policies() -> None:
     pool.policy = "least-loaded"
     pool.entries["a:1"].in_flight, pool.entries["b:1"].in_flight, pool.entries["c:1"].in_flight = 3, 1, 2
     assert pool.pick("m").address == "b:1"
+
+
+def test_a_limit_measured_before_the_worker_served_is_not_published() -> None:
+    prober = Prober(ProberConfig(port=0, workers=("a:1", "b:1")))
+    prober.views["a:1"] = view(serving=False, concurrency_limit=1)  # stats from before its model loaded
+    prober.views["b:1"] = view(serving=True, concurrency_limit=64)
+    assert [w.concurrency_limit for w in prober.compute_table()] == [0, 64]  # 0: the router keeps its own
+
+
+def test_a_worker_coming_back_to_serving_takes_its_describe_limit_over_the_tables() -> None:
+    pool = pool_with("a:1")
+    pool.apply(router_pb2.WeightTable(version=1, workers=[router_pb2.WorkerWeight(address="a:1", weight=1.0)]))
+    entry = pool.entries["a:1"]
+    entry.limit = 1  # a table's, from before its model loaded
+    pool.set_health(entry, False, "loading", worker_pb2.DescribeResponse())
+    assert entry.limit == 1
+    pool.set_health(entry, True, "", worker_pb2.DescribeResponse(concurrency_limit=64))
+    assert entry.limit == 64
+    pool.set_health(entry, True, "", worker_pb2.DescribeResponse(concurrency_limit=3))
+    assert entry.limit == 64  # while it serves, a table's limit wins over a Describe's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 
@@ -142,9 +143,8 @@ def test_tritons_pending_queue_lowers_the_weight() -> None:
 async def test_router_never_sends_a_worker_more_than_its_adapted_limit(mesh: InProcessMesh) -> None:
     for backend in mesh.backends:
         backend.delay = 0.02
-    for worker in mesh.workers:
-        limit = worker.servicer.limits.adaptive()
-        limit.maximum = limit._value = 2  # as if the engine's queue kept it at 2 (its polls cannot raise it)
+    for backend in mesh.backends:
+        backend._spec = dataclasses.replace(backend._spec, slots=2)  # an engine of 2 slots: the limit follows them
     addresses = tuple(w.host.address for w in mesh.workers)
     prober = Prober(ProberConfig(port=0, workers=addresses, routers=(mesh.router.host.address,), interval_s=0.05))
     await prober.start()

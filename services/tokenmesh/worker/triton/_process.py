@@ -61,6 +61,18 @@ class PortTaken(RuntimeError):
     """Triton could not bind a port we picked for it."""
 
 
+def _install(source: Path, target: Path) -> None:
+    """Copy source to target by a rename, never by writing over it.
+
+    A worker restarted in its own work folder (a container restart keeps its emptyDir) may find the previous
+    Triton's stubs still running from target for a moment: writing over a running executable fails with "Text
+    file busy", replacing its directory entry does not (the old processes keep the old file).
+    """
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.copy2(source, partial)
+    partial.replace(target)
+
+
 def _pytriton_dir() -> Path:
     import pytriton
 
@@ -124,12 +136,12 @@ class TritonProcess:
         py_backend = backend_dir / "python"
         py_backend.mkdir(parents=True, exist_ok=True)
         for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
-            shutil.copy2(dist / "backends" / "python" / name, py_backend / name)
+            _install(dist / "backends" / "python" / name, py_backend / name)
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
         stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
         if not stub.exists():
             raise RuntimeError(f"nvidia-pytriton ships no Python backend stub for Python {version}")
-        shutil.copy2(stub, py_backend / "triton_python_backend_stub")
+        _install(stub, py_backend / "triton_python_backend_stub")
 
         models = cfg.work_dir / "models"
         if models.exists():
