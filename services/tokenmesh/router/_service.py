@@ -336,7 +336,7 @@ class Router(Service):
         if self.peers is not None:
             self.peers.unregister()
             await self.peers.close()
-        self.inference.draining = True
+        self.inference.drain()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.inference.idle.wait(), self.drain_grace_s)
 
