@@ -188,11 +188,12 @@ async def test_one_trace_from_the_http_callers_traceparent_through_gateway_route
     (worker,) = generations(spans, "tokenmesh-worker")
     assert edge.trace_id.hex() == router.trace_id.hex() == worker.trace_id.hex() == TRACE_ID
     assert edge.parent_span_id.hex() == PARENT_ID  # the HTTP caller's span
-    # gateway span -> its client call -> the router's RPC span -> the router's generation span -> ... -> worker's
-    (call,) = rpcs(spans, "tokenmesh-gateway", "tokenmesh.v1.Inference/Generate")
-    assert call.kind == trace_pb2.Span.SPAN_KIND_CLIENT and call.parent_span_id == edge.span_id
+    # gateway span -> (its stream's traceparent on the shared GenerateStream call) -> the router's generation span
+    # -> ... -> worker's. The call itself is one client span of its own trace: it outlives every generation on it.
+    (call,) = rpcs(spans, "tokenmesh-gateway", "tokenmesh.v1.Inference/GenerateStream")
+    assert call.kind == trace_pb2.Span.SPAN_KIND_CLIENT and not call.parent_span_id
     assert attributes(call)["server.port"] == mesh.router.host.port
-    assert parent(spans, router).parent_span_id == call.span_id
+    assert router.parent_span_id == edge.span_id and router.kind == trace_pb2.Span.SPAN_KIND_SERVER
     assert parent(spans, parent(spans, worker)).parent_span_id == router.span_id
     assert edge.name == "text_completion default" and attributes(edge)["url.path"] == "/v1/completions"
     assert SECRET.encode() not in receiver.raw()

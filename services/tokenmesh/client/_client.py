@@ -38,6 +38,7 @@ from types import TracebackType
 from typing import Any, Self
 
 import grpc
+from opentelemetry import trace
 
 from tokenmesh.client._stream import Sessions, Stream
 from tokenmesh.config import address_error
@@ -47,7 +48,7 @@ from tokenmesh.links import Links
 from tokenmesh.retry import Backoff, Reconnect, StreamEnded, describe, is_transient
 from tokenmesh.server import CHANNEL_OPTIONS
 from tokenmesh.tls import open_channel
-from tokenmesh.tracing import Tracing
+from tokenmesh.tracing import Tracing, inject
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -375,6 +376,8 @@ class Client:
         if session is None or session.full():
             return None
         command = inference_pb2.StreamCommand(metadata=dict(metadata))
+        if self._tracing is not None and self._tracing.on and "traceparent" not in command.metadata:
+            command.metadata.update(inject(trace.get_current_span()))  # a Generate call's span would have this parent
         if request is None:
             command.resume.request_id = request_id
             command.resume.after_seq = last

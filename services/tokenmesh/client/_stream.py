@@ -25,6 +25,7 @@ renewed or the client closed).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections import deque
@@ -396,7 +397,9 @@ class Sessions:
             return session
         opening = self._opening.get(address)
         if opening is None:
-            opening = self._opening[address] = asyncio.create_task(self._open(address))
+            # In a context of its own: the call outlives the generation that opened it, so its RPC span (tracing on)
+            # is no generation's child; each stream carries its own traceparent in its start's metadata.
+            opening = self._opening[address] = asyncio.create_task(self._open(address), context=contextvars.Context())
             opening.add_done_callback(lambda _: self._opening.pop(address, None))
         try:
             return await asyncio.shield(opening)  # one opening for every generation waiting on it
