@@ -47,8 +47,10 @@ def counted(client: Client) -> list[tuple[str, CountedCall]]:
     return opened
 
 
-async def generate(client: Client, max_tokens: int, **fields: Any) -> list[inference_pb2.GenerateChunk]:
-    request = inference_pb2.GenerateRequest(prompt="p", max_tokens=max_tokens, **fields)
+async def generate(
+    client: Client, max_tokens: int, *, prompt_pad: int = 0, **fields: Any
+) -> list[inference_pb2.GenerateChunk]:
+    request = inference_pb2.GenerateRequest(prompt="p" + "x" * prompt_pad, max_tokens=max_tokens, **fields)
     return [c async for c in client.generate(request)]
 
 
@@ -160,6 +162,18 @@ async def test_a_streams_deadline_ends_it_alone_and_its_made_up_id_is_cancelled(
         assert_exact(await whole, 30)  # the other stream on the call went on
         await wait_until(lambda: sum(g.cancelled.is_set() for b in mesh.backends for g in b.started) == 1, timeout=3)
         assert len(client._sessions._sessions) == 1  # noqa: SLF001 - one call served both
+
+
+async def test_a_request_too_big_to_share_a_message_goes_over_generate(mesh: InProcessMesh) -> None:
+    async with Client(mesh.router.host.address) as client:
+        opened = counted(client)
+        big, small = await asyncio.gather(generate(client, 6, prompt_pad=300_000), generate(client, 6))
+        assert_exact(big, 6)
+        assert_exact(small, 6)
+        assert [a for a, _ in opened] == [mesh.router.host.address]
+        assert client._sessions._sessions[mesh.router.host.address]._next == 1  # noqa: SLF001 - the small one only
+        started = sorted(len(g.params.prompt) for b in mesh.backends for g in b.started)
+        assert started[-1] > 300_000  # the big prompt reached the worker whole, on a Generate call
 
 
 async def test_with_batched_off_every_generation_is_a_call_of_its_own(mesh: InProcessMesh) -> None:

@@ -400,13 +400,19 @@ class Sessions:
             # In a context of its own: the call outlives the generation that opened it, so its RPC span (tracing on)
             # is no generation's child; each stream carries its own traceparent in its start's metadata.
             opening = self._opening[address] = asyncio.create_task(self._open(address), context=contextvars.Context())
-            opening.add_done_callback(lambda _: self._opening.pop(address, None))
+            opening.add_done_callback(lambda done: self._opened(address, done))
         try:
             return await asyncio.shield(opening)  # one opening for every generation waiting on it
         except grpc.aio.AioRpcError as exc:  # an error each: raised in many tasks, one would share its traceback
             raise grpc.aio.AioRpcError(
                 exc.code(), exc.initial_metadata(), exc.trailing_metadata(), exc.details()
             ) from None
+
+    def _opened(self, address: str, opening: asyncio.Task[StreamSession | None]) -> None:
+        if self._opening.get(address) is opening:
+            del self._opening[address]
+        if not opening.cancelled():
+            opening.exception()  # taken: its waiters (if any are left) have their own copies
 
     async def _open(self, address: str) -> StreamSession | None:
         call = self._open_call(address)
