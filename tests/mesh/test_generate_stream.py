@@ -6,6 +6,7 @@ Driven with the raw generated stub, so every message, credit grant and end is th
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import defaultdict
 from typing import Any
 
@@ -13,8 +14,13 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
-from tests.support.mesh import InProcessMesh, assert_exact, expected_text, in_process_mesh, wait_until
+from tests.support.fakes import FakeBackend
+from tests.support.mesh import LINK_ENV, InProcessMesh, assert_exact, expected_text, in_process_mesh, wait_until
+from tests.support.tcp_proxy import TcpProxy
+from tokenmesh.errors import ResourceExhausted, from_status
+from tokenmesh.router import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+from tokenmesh.worker import Worker, WorkerConfig
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
@@ -380,3 +386,71 @@ async def test_a_call_that_breaks_stops_every_generation_without_an_id_of_its_ow
     rest = [c async for c in mesh.inference.Resume(inference_pb2.ResumeRequest(request_id="gs-keep", after_seq=1))]
     assert rest[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
     assert "".join(c.text for c in [caller.chunks[3][0], *rest]) == expected_text(100)
+
+
+async def test_a_full_queue_ends_the_stream_with_the_calls_retry_info_and_error_info() -> None:
+    async with in_process_mesh(max_queue=1) as mesh:
+        for backend in mesh.backends:
+            backend.delay = 0.05
+        caller = Caller(mesh)
+        try:
+            await caller.open()
+            await caller.send(*(generate(s, prompt=f"fill{s}", max_tokens=400) for s in range(1, 9)))
+            while not all(caller.chunks[s] for s in range(1, 9)):  # every slot of both workers taken
+                assert await caller.read()
+            await caller.send(generate(9, prompt="waits", max_tokens=2))
+            await wait_until(lambda: len(mesh.router.admission.waiting) == 1)
+            await caller.send(generate(10, prompt="refused", max_tokens=2))
+            await caller.until(10)
+        finally:
+            caller.call.cancel()
+    assert list(caller.ends) == [10]
+    error = from_status(caller.ends[10])
+    assert type(error) is ResourceExhausted and error.reason == "QUEUE_FULL" and error.answered
+    assert error.metadata == {"model": "fake", "waiting": "1"}
+    assert error.retry_delay is not None and error.retry_delay > 0
+    assert f"retry in about {round(error.retry_delay * 1000)} ms" in error.message
+
+
+async def test_a_cut_worker_connection_fails_every_stream_on_it_over_with_contiguous_seq() -> None:
+    backends = [FakeBackend(delay=0.02), FakeBackend(delay=0.02)]
+    workers = [Worker(WorkerConfig(port=0, drain_grace_s=1), backend=b) for b in backends]
+    proxy: TcpProxy | None = None
+    router: Router | None = None
+    try:
+        for w in workers:
+            await w.start()
+        proxy = TcpProxy("127.0.0.1", workers[0].host.port)
+        await proxy.start()
+        link = os.environ.get(LINK_ENV, "off")
+        router = Router(
+            RouterConfig(port=0, workers=(proxy.address, workers[1].host.address), drain_grace_s=1, worker_link=link)
+        )
+        await router.start()
+        pool = router.pool
+        await wait_until(lambda: all(e.healthy and e.models for e in pool.entries.values()))
+        if link == "auto":
+            await wait_until(lambda: len(router.inference.sessions.modes) == 2)
+        async with grpc.aio.insecure_channel(router.host.address) as channel:
+            mesh = InProcessMesh(router, workers, backends, channel)
+            caller = Caller(mesh)
+            await caller.open()
+            await caller.send(*(generate(s, prompt=f"p{s}", max_tokens=40) for s in range(1, 7)))
+            while not all(len(caller.chunks[s]) >= 3 for s in range(1, 7)):
+                assert await caller.read()
+            on_proxy = [g for g in backends[0].started if g.params.max_tokens == 40]
+            assert on_proxy, "some streams should run on the proxied worker"
+            proxy.cut()
+            await caller.until(*range(1, 7))
+            caller.call.cancel()
+        assert caller.ends == {}
+        for s in range(1, 7):
+            assert_exact(caller.chunks[s], 40)
+        assert sum(caller.chunks[s][-1].migrations for s in range(1, 7)) == len(on_proxy)
+    finally:
+        if router is not None:
+            await router.shutdown()
+        if proxy is not None:
+            await proxy.stop()
+        for w in workers:
+            await w.shutdown()
