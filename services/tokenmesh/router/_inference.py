@@ -447,7 +447,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[inference_pb2.StreamEvents]:
         """Many generations and resumes on one call, each run by Generate or Resume; one message per send."""
-        session = StreamSession(context, self._stream_source, self._stream_cancel, self._streams_opened, self._drains)
+        session = StreamSession(
+            context,
+            self._stream_source,
+            self._stream_cancel,
+            self._streams_opened,
+            self._drains,
+            self.metrics.stream_message,
+        )
         self.stream_calls.add(session)
         try:
             async for message in session.run(request_iterator):

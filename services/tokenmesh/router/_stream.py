@@ -151,6 +151,7 @@ class StreamSession:
         cancel: what a cancel command does.
         opened: told +1 when a stream opens and -1 when it is over on the call (the router's drain waits for 0).
         draining: whether the router drains (the call ends once its streams have).
+        sent: told the number of chunks of each message taken to be sent (the router's metrics).
 
     """
 
@@ -170,6 +171,7 @@ class StreamSession:
     _cancel: Cancel
     _opened: Callable[[int], None]
     _draining: Callable[[], bool]
+    _sent: Callable[[int], None]
     _wake: asyncio.Future[None] | None
 
     def __init__(
@@ -179,12 +181,14 @@ class StreamSession:
         cancel: Cancel,
         opened: Callable[[int], None],
         draining: Callable[[], bool],
+        sent: Callable[[int], None] = lambda _: None,
     ) -> None:
         self._call = call
         self._source = source
         self._cancel = cancel
         self._opened = opened
         self._draining = draining
+        self._sent = sent
         self.streams = {}
         self.ready = {}
         self.ends = []
@@ -437,4 +441,5 @@ class StreamSession:
             return None
         events = inference_pb2.StreamEvents(chunks=chunks, ends=ends)
         events.chunk_stream.extend(streams)
+        self._sent(len(chunks))
         return events
