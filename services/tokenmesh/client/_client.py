@@ -369,12 +369,20 @@ class Client:
     ) -> Stream | None:
         """A stream on the router's GenerateStream call; None where the generation needs a call of its own.
 
-        That is: a router that predates GenerateStream, one whose call holds its max_streams, and a request too
-        big to share a message (it could not go on the call without ending it for every stream).
+        That is: a router that predates GenerateStream, a request too big to share a message (it could not go on
+        the call without ending it for every stream), and a start that waited for room (the router's max_streams)
+        until the call ended.
         """
         session = await self._sessions.get(address)
-        if session is None or session.full():
+        if session is None:
             return None
+        if session.full():
+            try:
+                await asyncio.wait_for(session.slot(), None if end is None else max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                raise DeadlineExceeded(f"generation {request_id}: no room on router {address} in time") from None
+            if not session.open:
+                return None
         command = inference_pb2.StreamCommand(metadata=dict(metadata))
         if self._tracing is not None and self._tracing.on and "traceparent" not in command.metadata:
             command.metadata.update(inject(trace.get_current_span()))  # a Generate call's span would have this parent

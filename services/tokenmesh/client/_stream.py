@@ -199,6 +199,8 @@ class StreamSession:
     _flush: asyncio.Event
     _open: bool
     _task: asyncio.Task[None] | None
+    _slot_waiters: deque[asyncio.Future[None]]
+    """Starts waiting for a stream to end while the call holds the router's max_streams."""
 
     def __init__(self, address: str, call: Any, settings: inference_pb2.StreamSettings) -> None:
         self.address = address
@@ -214,6 +216,7 @@ class StreamSession:
         self._flush = asyncio.Event()
         self._open = True
         self._task = None
+        self._slot_waiters = deque()
 
     @property
     def open(self) -> bool:
@@ -224,6 +227,30 @@ class StreamSession:
         """Whether a new start would be beyond the router's max_streams (it would refuse it)."""
         limit = self.settings.max_streams
         return bool(limit) and len(self.streams) >= limit
+
+    async def slot(self) -> None:
+        """Wait until a new stream fits in the router's max_streams (or the call ended: then check ``open``).
+
+        Waiting keeps what one caller makes the router hold within the router's bound, as HTTP/2's
+        per-connection stream limit does for Generate calls.
+        """
+        while self.full() and self._open:
+            waiter = asyncio.get_running_loop().create_future()
+            self._slot_waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._slot_waiters:
+                    self._slot_waiters.remove(waiter)
+
+    def _freed(self) -> None:
+        """Streams ended: wake as many waiting starts as now fit (all of them once the call ended)."""
+        room = self.settings.max_streams - len(self.streams) if self._open else len(self._slot_waiters)
+        while room > 0 and self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                room -= 1
 
     def start(self, command: inference_pb2.StreamCommand, deadline: float | None) -> Stream:
         """A new stream for a generate or resume command (its stream id set here), queued for the writer."""
@@ -255,6 +282,8 @@ class StreamSession:
         if self.streams.pop(stream, None) is not None and self._open:
             self._credit.pop(stream, None)
             self._send(inference_pb2.StreamCommand(stream=stream, detach=inference_pb2.StreamDetach()))
+            if self._slot_waiters:
+                self._freed()
         self._close_if_done()
 
     def retire(self) -> None:
@@ -341,6 +370,8 @@ class StreamSession:
             ended = streams.pop(end.stream, None)
             if ended is not None:
                 ended.put(rpc_error(end.status), last=True)
+        if self._slot_waiters:
+            self._freed()
         if self.retired:
             self._close_if_done()
 
@@ -352,6 +383,7 @@ class StreamSession:
         streams, self.streams = self.streams, {}
         for stream in streams.values():  # an exception each: raised in many tasks, one would share its traceback
             stream.put(broken(code, message), last=True)
+        self._freed()
 
     async def close(self) -> None:
         """End the call and its tasks (streams on it break)."""

@@ -276,9 +276,21 @@ async def test_a_renewed_session_serves_its_streams_and_closes_after_the_last() 
     await sessions.close()
 
 
-async def test_a_full_call_is_known_before_a_start_would_be_refused() -> None:
+async def test_a_start_beyond_max_streams_waits_for_a_stream_to_end() -> None:
     link, _ = session(max_streams=2)
-    start(link)
-    assert not link.full()
-    start(link)
+    start(link, "a"), start(link, "b")
     assert link.full()
+    waiting = [asyncio.create_task(link.slot()) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert not any(w.done() for w in waiting)
+    link.deliver(events((1, 1, "x"), final=(1, 1)))  # one ended: room for one
+    await asyncio.sleep(0)
+    assert [w.done() for w in waiting] == [True, False, False]
+    start(link, "c")
+    link.detach(2)  # one let go: room for one more
+    await asyncio.sleep(0)
+    assert [w.done() for w in waiting] == [True, True, False]
+    start(link, "d")
+    link.fail(grpc.StatusCode.UNAVAILABLE, "reset")  # the call ended: every waiter goes (to a call of its own)
+    await asyncio.gather(*waiting)
+    assert not link.open
