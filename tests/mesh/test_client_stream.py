@@ -164,6 +164,28 @@ async def test_a_streams_deadline_ends_it_alone_and_its_made_up_id_is_cancelled(
         assert len(client._sessions._sessions) == 1  # noqa: SLF001 - one call served both
 
 
+async def test_a_caller_that_stops_reading_its_own_id_detaches_it_and_resumes_it_on_the_same_call(
+    mesh: InProcessMesh,
+) -> None:
+    for backend in mesh.backends:
+        backend.delay = 0.01
+    async with Client(mesh.router.host.address) as client:
+        opened = counted(client)
+        request = inference_pb2.GenerateRequest(prompt="p", max_tokens=40, request_id="mine-7")
+        first = []
+        stream = client.generate(request)
+        async for chunk in stream:
+            first.append(chunk)
+            if chunk.seq == 3:
+                break
+        await stream.aclose()  # detached: a caller-given id runs on for Resume
+        rest = [c async for c in client.resume("mine-7", after_seq=3)]
+        assert_exact(first + rest, 40)
+        (generation,) = [g for b in mesh.backends for g in b.started]
+        assert not generation.cancelled.is_set()
+        assert len(opened) == 1 and client._sessions._sessions[opened[0][0]]._next == 2  # noqa: SLF001
+
+
 async def test_a_request_too_big_to_share_a_message_goes_over_generate(mesh: InProcessMesh) -> None:
     async with Client(mesh.router.host.address) as client:
         opened = counted(client)
