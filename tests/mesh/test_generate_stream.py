@@ -460,3 +460,26 @@ async def test_a_cut_worker_connection_fails_every_stream_on_it_over_with_contig
             await proxy.stop()
         for w in workers:
             await w.shutdown()
+
+
+async def test_cancel_of_a_resumed_stream_stops_the_generation_on_its_worker(mesh: InProcessMesh) -> None:
+    for backend in mesh.backends:
+        backend.delay = 0.02
+    first = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="p", max_tokens=400, request_id="gs-c"))
+    seen = [await first.read() for _ in range(3)]
+    first.cancel()  # the worker keeps it for Resume
+    caller = Caller(mesh)
+    try:
+        await caller.open()
+        await caller.send(resume(1, "gs-c", after_seq=3))
+        while len(caller.chunks[1]) < 2:
+            assert await caller.read()
+        await caller.send(cancel(1))
+        await caller.until(1)
+    finally:
+        caller.call.cancel()
+    chunks = seen + caller.chunks[1]
+    assert [c.seq for c in chunks] == list(range(1, len(chunks) + 1))
+    assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_CANCELLED and len(chunks) < 100
+    (generation,) = [g for b in mesh.backends for g in b.started]
+    await asyncio.wait_for(generation.cancelled.wait(), 5)

@@ -286,7 +286,8 @@ class StreamSession:
         if logical is None:
             return  # a cancel or detach racing the stream's end (or a command kind of a later protocol)
         if kind == "cancel":
-            self._spawn(self._cancel(logical.context))  # it ends with a final chunk, CANCELLED
+            if logical.task is not None and not logical.task.done():  # else its end is on its way already
+                self._spawn(self._cancel(logical.context))  # it ends with a final chunk, CANCELLED
         elif kind == "detach":
             self._drop(logical)  # nothing more is sent for it
 
@@ -319,7 +320,7 @@ class StreamSession:
             self.ends.append(inference_pb2.StreamEnd(stream=stream, status=error.status()))
             self.kick()
             return
-        window = UNLIMITED if self.closing else command.window_bytes or SETTINGS.default_window_bytes
+        window = command.window_bytes or SETTINGS.default_window_bytes
         context = StreamContext(self._call, dict(command.metadata), timeout_s)
         if command.HasField("resume"):
             context.request_id = command.resume.request_id
