@@ -25,6 +25,7 @@ renewed or the client closed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
@@ -197,6 +198,8 @@ class StreamSession:
     _commands: list[inference_pb2.StreamCommand]
     _credit: dict[int, int]
     _flush: asyncio.Event
+    _written: asyncio.Event
+    """Set while nothing waits to be written (close() lets the last cancels go first)."""
     _open: bool
     _task: asyncio.Task[None] | None
     _slot_waiters: deque[asyncio.Future[None]]
@@ -214,6 +217,8 @@ class StreamSession:
         self._commands = []
         self._credit = {}
         self._flush = asyncio.Event()
+        self._written = asyncio.Event()
+        self._written.set()
         self._open = True
         self._task = None
         self._slot_waiters = deque()
@@ -265,12 +270,14 @@ class StreamSession:
     def _send(self, command: inference_pb2.StreamCommand) -> None:
         self._commands.append(command)
         self._flush.set()
+        self._written.clear()
 
     def grant(self, stream: int, credit: int) -> None:
         """Return credit to a stream in the writer's next message."""
         if stream in self.streams:
             self._credit[stream] = self._credit.get(stream, 0) + credit
             self._flush.set()
+            self._written.clear()
 
     def cancel(self, stream: int) -> None:
         """Stop a stream's generation (as Inference/Cancel)."""
@@ -333,6 +340,8 @@ class StreamSession:
                 await self.call.write(message)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
                 return  # the call ended: the reader sees how, and fails the streams
+            if not self._flush.is_set():
+                self._written.set()
 
     def _take_commands(self) -> list[inference_pb2.StreamCommand]:
         """The pending commands that fit in max_batch_bytes (at least one): an oversized message would end the call."""
@@ -385,8 +394,13 @@ class StreamSession:
             stream.put(broken(code, message), last=True)
         self._freed()
 
-    async def close(self) -> None:
-        """End the call and its tasks (streams on it break)."""
+    async def close(self, grace_s: float = 1.0) -> None:
+        """End the call and its tasks (streams on it break), once what is queued (cancels) is written or grace_s."""
+        if self._open and not self._written.is_set():
+            # A cancel still queued would be lost with the call, and the router would keep that generation for
+            # Resume (the client gives every generation an id): it goes first.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._written.wait(), grace_s)
         self.call.cancel()
         if self._task is not None:
             self._task.cancel()

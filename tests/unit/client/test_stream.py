@@ -294,3 +294,13 @@ async def test_a_start_beyond_max_streams_waits_for_a_stream_to_end() -> None:
     link.fail(grpc.StatusCode.UNAVAILABLE, "reset")  # the call ended: every waiter goes (to a call of its own)
     await asyncio.gather(*waiting)
     assert not link.open
+
+
+async def test_closing_writes_a_queued_cancel_before_it_ends_the_call() -> None:
+    link, call = session()
+    stream = start(link, "made-up")
+    link.serve()
+    await asyncio.sleep(0.01)
+    assert stream.let_go(cancel=True)
+    await link.close()  # at once, as Client.close() right after the caller left
+    assert call.commands() == [(1, "generate"), (1, "cancel"), (1, "detach")] and call.cancelled
