@@ -7,7 +7,9 @@ engine's time is the same on both sides to within a fraction of a
 millisecond. Starts the embedded mesh (2 workers) on it, then at each
 --levels concurrency runs --blocks blocks per target, alternating which goes
 first (ABBA), closed loop, the same prompts on both sides: the mesh
-(``Inference/Generate`` on the router) and direct Triton (``stream_infer`` to
+(through ``tokenmesh.client``: with --api stream, its default, every request on
+one shared ``Inference/GenerateStream`` call; with --api generate, one
+``Inference/Generate`` call each) and direct Triton (``stream_infer`` to
 the workers' Tritons, each request to the one with the fewest outstanding).
 
 Prints per level: TTFT p50 and p99 overhead (mesh - direct, ms), TPOT ratio,
@@ -18,6 +20,7 @@ throughput ratio >= 0.98.
 
     .venv/bin/python benchmarks/overhead.py
     .venv/bin/python benchmarks/overhead.py --levels 1,8,64 --blocks 6 --ttft-ms 20
+    .venv/bin/python benchmarks/overhead.py --levels 8,64 --api generate
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def requests_for(concurrency: int, per_slot: int) -> int:
 
 async def measure(mesh_addr: str, args: argparse.Namespace) -> dict[int, dict[str, list[dict[str, float]]]]:
     """Blocks per level and target, alternated."""
-    mesh = MeshTarget(mesh_addr, ignore_eos=True)
+    mesh = MeshTarget(mesh_addr, ignore_eos=True, batched=args.api == "stream")
     await mesh.open()
     direct = TritonTarget(await mesh.triton_endpoints(), mesh.model, ignore_eos=True)
     await direct.open()
@@ -147,6 +150,13 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=2, help="workers, each with its own Triton (default 2)")
     parser.add_argument("--json", default="", help="write every block's figures here")
+    parser.add_argument(
+        "--api",
+        choices=("stream", "generate"),
+        default="stream",
+        help="the mesh's caller: stream = one GenerateStream call per router for every request (the client's "
+        "default); generate = one Generate call per request (default stream)",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as folder:

@@ -13,10 +13,14 @@ us/token at 24k tokens/s offered; mesh throughput >= 0.97x the relay's.
 
 --tokens-per-s 100 --responses-per-s 100 measures the low-rate case (one
 token per message, each message waking an idle process). --telemetry adds a
-third target: the same mesh with metrics and traces on.
+third target: the same mesh with metrics and traces on. --api picks the
+caller's path to the mesh: ``stream`` (the client's default: every stream on
+one shared ``Inference/GenerateStream`` call per router) or ``generate`` (one
+``Inference/Generate`` call per stream); the relay serves Generate only.
 
     .venv/bin/python benchmarks/router_cost.py --concurrency 24
     .venv/bin/python benchmarks/router_cost.py --concurrency 1 --tokens-per-s 100 --responses-per-s 100 --tokens 300
+    .venv/bin/python benchmarks/router_cost.py --concurrency 16 --tokens-per-s 200 --responses-per-s 200 --api generate
 """
 
 from __future__ import annotations
@@ -57,9 +61,11 @@ async def measure(
     args: argparse.Namespace,
     workers: list[int],
     credentials: grpc.ChannelCredentials | None = None,
+    *,
+    batched: bool = True,
 ) -> tuple[list[RequestResult], float, float]:
     """Results, the hop's CPU seconds and the workers' (not their Tritons') for one closed-loop run."""
-    target = MeshTarget(addr, ignore_eos=True, credentials=credentials)
+    target = MeshTarget(addr, ignore_eos=True, credentials=credentials, batched=batched)
     await target.open()
     try:
         prompts = synthetic(args.requests, 16, args.tokens, seed=1)
@@ -84,6 +90,13 @@ def main() -> None:
         type=float,
         default=200.0,
         help="engine responses (messages) per second per stream (default 200: 5 tokens each)",
+    )
+    parser.add_argument(
+        "--api",
+        choices=("stream", "generate"),
+        default="stream",
+        help="the mesh's callers: stream = one GenerateStream call per router for every stream (the client's "
+        "default); generate = one Generate call per stream (default stream)",
     )
     parser.add_argument(
         "--tls",
@@ -149,7 +162,10 @@ def main() -> None:
                 order = names[round_ % len(names) :] + names[: round_ % len(names)]
                 for name in order:
                     addr, pid, workers = hops[name]
-                    runs[name].append(asyncio.run(measure(addr, pid, args, workers, credentials.get(name))))
+                    batched = name != "relay" and args.api == "stream"  # the relay serves Generate only
+                    runs[name].append(
+                        asyncio.run(measure(addr, pid, args, workers, credentials.get(name), batched=batched))
+                    )
                     print(f"  {name}: round {round_ + 1} done", flush=True)
     finally:
         for proc in (relay, source):
@@ -159,7 +175,8 @@ def main() -> None:
     print(
         f"\n{args.requests} streams of {args.tokens} tokens per run, concurrency {args.concurrency} "
         f"(offered {args.concurrency * args.tokens_per_s:,.0f} tokens/s in {chunk_tokens}-token messages), "
-        f"{args.rounds} runs each"
+        f"{args.rounds} runs each; the mesh's callers on "
+        f"Inference/{'GenerateStream' if args.api == 'stream' else 'Generate'}"
     )
     print(
         f"{'target':8} {'tokens/s':>10} {'hop us/token':>13} {'per run':>16} {'workers us/token':>17} "

@@ -5,8 +5,12 @@ synthetic Triton model at --rate tokens/s per stream (one token per
 response), with enough slots for every stream. Then ramps the open streams
 in steps (--levels, default 1000,5000,10000): each step is a client process
 (grpc.aio, in its own process so the router's CPU is its own) that opens its
-streams at --ramp-per-s, so their tokens arrive spread over the second. At
-each level, after --settle-s, it measures for --window-s:
+streams at --ramp-per-s, so their tokens arrive spread over the second. With
+--api stream (default) the client process runs one ``tokenmesh.client.Client``
+per 1,000 streams, each with its one shared ``Inference/GenerateStream`` call
+(no retries or resumes: every failure counts); with --api generate, raw stubs,
+one ``Inference/Generate`` call per stream. At each level, after --settle-s,
+it measures for --window-s:
 
 - router RSS per open stream: (RSS now - RSS before any stream) / open streams;
 - router CPU per relayed token: router CPU seconds over the tokens the clients received in the window;
@@ -21,6 +25,7 @@ the 1k figure.
 
     .venv/bin/python benchmarks/scale.py
     .venv/bin/python benchmarks/scale.py --levels 500,2000 --workers 2 --window-s 10
+    .venv/bin/python benchmarks/scale.py --levels 1000,5000,10000 --api generate
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import tempfile
 import time
 from array import array
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +48,8 @@ import grpc
 import psutil
 from common import cpu_seconds, percentile, running_mesh, synthetic_repository, tree_cpu_seconds
 
+from tokenmesh.client import Client
+from tokenmesh.errors import MeshError
 from tokenmesh.mesh import MeshConfig
 from tokenmesh.process import dies_with_parent, stop_process
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
@@ -49,11 +57,24 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 STREAMS_PER_CHANNEL = 1000
 """Client side: streams sharing one HTTP/2 connection (as many callers behind one service do)."""
 
+Opener = Callable[[int, inference_pb2.GenerateRequest, float], AsyncIterator[inference_pb2.GenerateChunk]]
+"""Opens stream i of a client process: (i, request, timeout) -> its chunks."""
+
+
+def openers(args: argparse.Namespace) -> tuple[Opener, list[Any]]:
+    """How the client process opens its streams (--api), and what to close at its end."""
+    groups = math.ceil(args.streams / STREAMS_PER_CHANNEL)
+    if args.api == "stream":  # no retry and no resume: a failure is counted, as on the raw Generate path
+        clients = [Client(args.addr, retry_deadline_s=0, max_resumes=0) for _ in range(groups)]
+        return (lambda i, request, timeout: clients[i % groups].generate(request, timeout=timeout)), clients
+    channels = [grpc.aio.insecure_channel(args.addr) for _ in range(groups)]
+    stubs = [inference_pb2_grpc.InferenceStub(c) for c in channels]
+    return (lambda i, request, timeout: stubs[i % groups].Generate(request, timeout=timeout)), channels
+
 
 async def client(args: argparse.Namespace) -> None:
     """One ramp step: open --streams streams, report when all are open, write what arrived when."""
-    channels = [grpc.aio.insecure_channel(args.addr) for _ in range(math.ceil(args.streams / STREAMS_PER_CHANNEL))]
-    stubs = [inference_pb2_grpc.InferenceStub(c) for c in channels]
+    open_stream, closing = openers(args)
     arrivals, tokens, gaps, gap_at = array("d"), array("i"), array("d"), array("d")
     errors: Counter[str] = Counter()
     failed_at: list[float] = []
@@ -67,7 +88,7 @@ async def client(args: argparse.Namespace) -> None:
         )
         expected, last, received = 1, 0.0, 0
         try:
-            async for chunk in stubs[i % len(stubs)].Generate(request, timeout=args.end_at - time.time() + 120):
+            async for chunk in open_stream(i, request, args.end_at - time.time() + 120):
                 now = time.monotonic()
                 if chunk.seq != expected:
                     errors["SEQ_GAP"] += 1
@@ -89,6 +110,9 @@ async def client(args: argparse.Namespace) -> None:
         except grpc.aio.AioRpcError as exc:
             errors[f"{exc.code().name}: {(exc.details() or '')[:80]}"] += 1
             failed_at.append(time.time())
+        except MeshError as exc:  # --api stream: the client's errors
+            errors[f"{exc.grpc_code.name}: {exc.message[:80]}"] += 1
+            failed_at.append(time.time())
 
     tasks = []
     for i in range(args.streams):
@@ -96,8 +120,8 @@ async def client(args: argparse.Namespace) -> None:
         await asyncio.sleep(1 / args.ramp_per_s)
     print(f"open {args.streams}", flush=True)
     await asyncio.gather(*tasks)
-    for channel in channels:
-        await channel.close()
+    for each in closing:
+        await each.close()
     Path(args.out).write_text(
         json.dumps(
             {
@@ -136,6 +160,8 @@ def spawn_client(
         str(args.rate),
         "--ramp-per-s",
         str(args.ramp_per_s),
+        "--api",
+        args.api,
     ]
     return subprocess.Popen(dies_with_parent(cmd), stdout=subprocess.PIPE, text=True)  # noqa: S603
 
@@ -227,7 +253,8 @@ def report(
 ) -> None:
     arrivals = [a for r in results for a in r["arrivals"]]
     tokens = [t for r in results for t in r["tokens"]]
-    print(f"\n{args.workers} workers, {args.rate:g} tokens/s per stream, one router process")
+    api = "GenerateStream (tokenmesh.client)" if args.api == "stream" else "Generate (raw stubs)"
+    print(f"\n{args.workers} workers, {args.rate:g} tokens/s per stream, one router process; callers on {api}")
     print(
         f"{'open':>7} {'RSS/stream':>11} {'router us/token':>16} {'tokens/s':>9} {'gap p50 ms':>11} "
         f"{'gap p99 ms':>11}   CPU, % of one core: router prober workers engines"
@@ -290,6 +317,13 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=15.0, help="measurement window per level (default 15)")
     parser.add_argument("--json", default="", help="write the figures here")
     parser.add_argument("--log-dir", default="", help="keep the services' logs here (default: a temporary folder)")
+    parser.add_argument(
+        "--api",
+        choices=("stream", "generate"),
+        default="stream",
+        help="the callers: stream = tokenmesh.client, one GenerateStream call per 1,000 streams (the client's "
+        "default); generate = one Generate call per stream on raw stubs (default stream)",
+    )
     client_side = parser.add_argument_group("client process (internal)")
     client_side.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     client_side.add_argument("--addr", help=argparse.SUPPRESS)

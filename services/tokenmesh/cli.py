@@ -97,12 +97,18 @@ def build_parser() -> argparse.ArgumentParser:  # long: an argparse table, a sub
     gen.add_argument("--request-id", default="", help="idempotency key (default: router assigns one)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
     gen.add_argument("--verbose", "-v", action="store_true", help="print each chunk's seq and counts to stderr")
+    gen.add_argument(
+        "--no-batched",
+        action="store_true",
+        help="one Inference/Generate call, not a stream on the router's shared GenerateStream call",
+    )
     _add_addr(gen, several=True)
 
     bench = sub.add_parser(
         "bench",
         help="measure TTFT, TPOT, ITL, throughput and interruptions of the mesh or of Triton directly",
-        description="Drive the mesh (Inference/Generate) or a Triton model directly, closed or open loop, "
+        description="Drive the mesh (tokenmesh.client: Inference/GenerateStream, or Generate with --no-batched) "
+        "or a Triton model directly, closed or open loop, "
         "and report the figures callers feel; --compare puts the mesh beside direct Triton. "
         "Definitions: TTFT = send to first text chunk; E2E = send to final chunk; "
         "TPOT = (E2E - TTFT)/(output tokens - 1); ITL = every gap between text chunks; "
@@ -329,7 +335,7 @@ async def _generate(args: argparse.Namespace) -> int:
     from tokenmesh.client import Client
 
     try:
-        client = Client(args.addr)
+        client = Client(args.addr, batched=not args.no_batched)
     except ValueError as exc:
         raise ConfigError(f"--addr: {exc}") from None
     async with client:

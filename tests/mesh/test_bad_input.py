@@ -90,6 +90,27 @@ def cancel(request_id: str) -> Callable[[InProcessMesh], Awaitable[Any]]:
     return send
 
 
+def stream_call(*commands: inference_pb2.StreamCommand) -> Callable[[InProcessMesh], Awaitable[Any]]:
+    """A GenerateStream carrying commands; the first stream that ends with a status raises it as its own call would."""
+
+    async def send(mesh: InProcessMesh) -> Any:
+        call = mesh.inference.GenerateStream(timeout=5)
+        await call.write(inference_pb2.StreamCommands(commands=commands))
+        await call.done_writing()
+        messages = await read_rest(call)
+        for end in (end for message in messages for end in message.ends):
+            raise rpc_error(end.status)
+        return messages
+
+    return send
+
+
+def stream_generate(stream: int = 1, timeout_s: float = 0, **fields: Any) -> inference_pb2.StreamCommand:
+    return inference_pb2.StreamCommand(
+        stream=stream, generate=inference_pb2.GenerateRequest(**fields), timeout_s=timeout_s
+    )
+
+
 def raw_unary(path: str, body: bytes, on_worker: bool = False) -> Callable[[InProcessMesh], Awaitable[Any]]:
     async def send(mesh: InProcessMesh) -> Any:
         address = mesh.workers[0].host.address if on_worker else mesh.router.host.address
@@ -249,6 +270,40 @@ CASES: dict[str, dict[str, Case]] = {
             resume("r-done", after_seq=99, finished_first=True),
             grpc.StatusCode.OUT_OF_RANGE,
             ("after_seq 99 is beyond the last seq sent, 4",),
+        ),
+    },
+    "Inference/GenerateStream": {
+        "generate-stream-negative-temperature": Case(
+            stream_call(stream_generate(prompt="x", temperature=-0.5)),
+            INVALID,
+            ("temperature must be >= 0, got -0.5",),
+        ),
+        "generate-stream-unknown-model": Case(
+            stream_call(stream_generate(prompt="x", model="nope")),
+            NOT_FOUND,
+            ("unknown model 'nope'; available: fake",),
+        ),
+        "generate-stream-resume-unknown-id": Case(
+            stream_call(
+                inference_pb2.StreamCommand(stream=1, resume=inference_pb2.ResumeRequest(request_id="never-started"))
+            ),
+            NOT_FOUND,
+            ("no worker holds generation 'never-started'",),
+        ),
+        "generate-stream-id-0": Case(
+            stream_call(stream_generate(0, prompt="x")),
+            INVALID,
+            ("commands.stream 0 is not above 0", "stream ids are > 0 and increase"),
+        ),
+        "generate-stream-negative-timeout": Case(
+            stream_call(stream_generate(timeout_s=-1, prompt="x")),
+            INVALID,
+            ("commands.timeout_s must be a number of seconds >= 0 (0: none), got -1",),
+        ),
+        "undecodable-stream-commands": Case(
+            raw_stream("/tokenmesh.v1.Inference/GenerateStream", b"\xff\xff\xff"),
+            INVALID,
+            ("not a valid tokenmesh.v1.StreamCommands",),
         ),
     },
     "Inference/Cancel": {

@@ -139,6 +139,23 @@ async def test_mutual_tls_end_to_end_and_every_bad_peer_refused(mesh: TlsMesh, t
         assert (await generate(channel))[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
 
 
+@pytest.mark.parametrize("identity", ["client", "gateway"])
+async def test_generate_stream_is_an_inference_call_any_identity_of_the_ca_may_make(
+    mesh: TlsMesh, identity: str
+) -> None:
+    async with mesh.channel(identity) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).GenerateStream(timeout=10)
+        assert (await call.read()).HasField("settings")
+        start = inference_pb2.GenerateRequest(prompt="hi", max_tokens=4)
+        await call.write(inference_pb2.StreamCommands(commands=[inference_pb2.StreamCommand(stream=1, generate=start)]))
+        await call.done_writing()
+        chunks = []
+        while (message := await call.read()) is not grpc.aio.EOF:
+            chunks += message.chunks
+    assert [c.seq for c in chunks] == [1, 2, 3, 4, 5]
+    assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+
+
 @pytest.mark.parametrize("identity", ["client", "worker", "gateway", "router"])
 async def test_push_weights_from_an_identity_that_may_not_is_permission_denied(mesh: TlsMesh, identity: str) -> None:
     before = mesh.router.pool.version

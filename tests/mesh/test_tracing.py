@@ -188,11 +188,12 @@ async def test_one_trace_from_the_http_callers_traceparent_through_gateway_route
     (worker,) = generations(spans, "tokenmesh-worker")
     assert edge.trace_id.hex() == router.trace_id.hex() == worker.trace_id.hex() == TRACE_ID
     assert edge.parent_span_id.hex() == PARENT_ID  # the HTTP caller's span
-    # gateway span -> its client call -> the router's RPC span -> the router's generation span -> ... -> worker's
-    (call,) = rpcs(spans, "tokenmesh-gateway", "tokenmesh.v1.Inference/Generate")
-    assert call.kind == trace_pb2.Span.SPAN_KIND_CLIENT and call.parent_span_id == edge.span_id
+    # gateway span -> (its stream's traceparent on the shared GenerateStream call) -> the router's generation span
+    # -> ... -> worker's. The call itself is one client span of its own trace: it outlives every generation on it.
+    (call,) = rpcs(spans, "tokenmesh-gateway", "tokenmesh.v1.Inference/GenerateStream")
+    assert call.kind == trace_pb2.Span.SPAN_KIND_CLIENT and not call.parent_span_id
     assert attributes(call)["server.port"] == mesh.router.host.port
-    assert parent(spans, router).parent_span_id == call.span_id
+    assert router.parent_span_id == edge.span_id and router.kind == trace_pb2.Span.SPAN_KIND_SERVER
     assert parent(spans, parent(spans, worker)).parent_span_id == router.span_id
     assert edge.name == "text_completion default" and attributes(edge)["url.path"] == "/v1/completions"
     assert SECRET.encode() not in receiver.raw()
@@ -385,3 +386,31 @@ async def test_a_server_span_runs_no_code_per_message_and_ends_with_the_calls_ou
     assert "a handler's bug" not in (bug.status.description or "")  # the type only: a message may quote a request
     assert slow.attributes is not None and slow.attributes["rpc.grpc.status_code"] == 4  # DEADLINE_EXCEEDED
     provider.shutdown()
+
+
+async def test_each_generate_stream_stream_is_traced_in_its_own_commands_trace(receiver: Receiver) -> None:
+    """A stream's generation span takes its command's traceparent (else the call's), never the call's RPC span."""
+    own_trace = "0af7651916cd43dd8448eb211c80319c"
+    async with in_process_mesh() as mesh:
+        call = mesh.inference.GenerateStream(metadata=(("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"),))
+        assert (await call.read()).HasField("settings")
+        own = inference_pb2.StreamCommand(stream=1, generate=inference_pb2.GenerateRequest(prompt="a", max_tokens=3))
+        own.metadata["traceparent"] = f"00-{own_trace}-{PARENT_ID}-01"
+        inherited = inference_pb2.StreamCommand(
+            stream=2, generate=inference_pb2.GenerateRequest(prompt="b", max_tokens=3)
+        )
+        await call.write(inference_pb2.StreamCommands(commands=[own, inherited]))
+        await call.done_writing()
+        request_ids = {}
+        while (message := await call.read()) is not grpc.aio.EOF:
+            request_ids.update(zip(message.chunk_stream, (c.request_id for c in message.chunks), strict=True))
+    spans = receiver.spans()
+    routers = {attributes(s)["gen_ai.response.id"]: s for s in generations(spans, "tokenmesh-router")}
+    for stream, trace_id in ((1, own_trace), (2, TRACE_ID)):
+        span = routers[request_ids[stream]]
+        assert span.trace_id.hex() == trace_id
+        # The caller's span is its parent: not the GenerateStream call's RPC span, which may live for hours.
+        assert span.parent_span_id.hex() == PARENT_ID and span.kind == trace_pb2.Span.SPAN_KIND_SERVER
+        assert any(w.trace_id.hex() == trace_id for w in generations(spans, "tokenmesh-worker"))
+    (server,) = rpcs(spans, "tokenmesh-router", "tokenmesh.v1.Inference/GenerateStream")
+    assert server.trace_id.hex() == TRACE_ID and attributes(server)["rpc.grpc.status_code"] == GRPC_OK

@@ -40,9 +40,11 @@ def test_every_rpc_has_a_handler() -> None:
 
 def test_public_names_from_the_contract() -> None:
     inference = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
-    assert {m.name for m in inference.methods} == {"Generate", "Resume", "Cancel", "ListModels"}
+    assert {m.name for m in inference.methods} == {"Generate", "Resume", "Cancel", "ListModels", "GenerateStream"}
     assert inference.methods_by_name["Generate"].server_streaming
     assert inference.methods_by_name["Resume"].server_streaming
+    batched = inference.methods_by_name["GenerateStream"]  # the batched call beside them (architecture.md)
+    assert batched.client_streaming and batched.server_streaming
     request_fields = set(inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
     assert {
         "model",

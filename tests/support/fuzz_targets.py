@@ -82,12 +82,39 @@ link_commands = st.builds(
     credit_bytes=st.lists(st.integers(0, 2**32 - 1), max_size=4),
 )
 
+stream_commands = st.builds(
+    inference_pb2.StreamCommands,
+    commands=st.lists(
+        st.one_of(
+            st.builds(
+                inference_pb2.StreamCommand,
+                stream=st.integers(0, 2**64 - 1),
+                generate=generate_requests,
+                window_bytes=st.integers(0, 2**32 - 1),
+                timeout_s=st.one_of(st.just(0.0), st.floats(allow_nan=True, allow_infinity=True)),
+                metadata=st.dictionaries(texts, texts, max_size=4),
+            ),
+            st.builds(inference_pb2.StreamCommand, stream=st.integers(0, 2**64 - 1), resume=resume_requests),
+            st.builds(
+                inference_pb2.StreamCommand, stream=st.integers(0, 3), cancel=st.just(inference_pb2.StreamCancel())
+            ),
+            st.builds(
+                inference_pb2.StreamCommand, stream=st.integers(0, 3), detach=st.just(inference_pb2.StreamDetach())
+            ),
+        ),
+        max_size=4,
+    ),
+    credit_stream=st.lists(st.integers(0, 2**64 - 1), max_size=4),
+    credit_bytes=st.lists(st.integers(0, 2**32 - 1), max_size=4),
+)
+
 # (method, kind, message strategy): kind is how the method takes its request.
 TARGETS = [
     ("/tokenmesh.v1.Inference/Generate", "unary_stream", generate_requests),
     ("/tokenmesh.v1.Inference/Resume", "unary_stream", resume_requests),
     ("/tokenmesh.v1.Inference/Cancel", "unary_unary", cancel_requests),
     ("/tokenmesh.v1.Inference/ListModels", "unary_unary", st.just(inference_pb2.ListModelsRequest())),
+    ("/tokenmesh.v1.Inference/GenerateStream", "stream_stream", stream_commands),
     ("/tokenmesh.v1.Router/GetRoutingTable", "unary_unary", st.just(router_pb2.GetRoutingTableRequest())),
     ("/tokenmesh.v1.Control/PushWeights", "stream_stream", weight_tables),
 ]

@@ -31,10 +31,16 @@ def add_arguments(
         "--target",
         choices=("mesh", "triton", "openai"),
         default="mesh",
-        help="mesh: Inference/Generate on a router (default); triton: a Triton model directly; "
+        help="mesh: the routers through tokenmesh.client (default); triton: a Triton model directly; "
         "openai: any OpenAI-compatible endpoint (--url), streamed chat or completions over HTTP",
     )
     where.add_argument("--addr", default=default_addr, help=f"router host:port (default {default_addr})")
+    where.add_argument(
+        "--no-batched",
+        action="store_true",
+        help="mesh: one Inference/Generate call per request, not a stream on each router's shared "
+        "GenerateStream call (the client's default)",
+    )
     where.add_argument(
         "--triton-url",
         default="",
@@ -198,7 +204,7 @@ async def run(args: argparse.Namespace) -> int:
     if not args.duration:
         measured = [measured[i % len(measured)] for i in range(args.requests)]
     load = Load(concurrency=args.concurrency, request_rate=args.request_rate, duration_s=args.duration, seed=args.seed)
-    mesh = MeshTarget(args.addr, args.model, ignore_eos=not args.allow_eos, seed=args.seed)
+    mesh = MeshTarget(args.addr, args.model, ignore_eos=not args.allow_eos, seed=args.seed, batched=not args.no_batched)
     targets: list[Target] = []
     try:
         await _open_targets(args, mesh, targets)

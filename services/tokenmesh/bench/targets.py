@@ -52,11 +52,13 @@ class Target(abc.ABC):
 
 
 class MeshTarget(Target):
-    """``tokenmesh.v1.Inference/Generate`` through :class:`tokenmesh.client.Client`, as internal callers use it.
+    """The mesh's ``tokenmesh.v1.Inference`` through :class:`tokenmesh.client.Client`, as internal callers use it.
 
     ``addr`` may name several routers (comma-separated): the client spreads
     generations over them, retries before the first chunk and resumes a
     broken stream on another router, so the figures are what such a caller sees.
+    ``batched`` (the client's default): every request to a router on its shared ``GenerateStream`` call;
+    False: one ``Generate`` call per request.
     """
 
     name = "mesh"
@@ -69,8 +71,10 @@ class MeshTarget(Target):
         ignore_eos: bool = True,
         seed: int | None = 0,
         credentials: grpc.ChannelCredentials | None = None,
+        batched: bool = True,
     ) -> None:
         self.addr = addr
+        self.batched = batched
         self.model = model
         self.ignore_eos = ignore_eos
         self.seed = seed
@@ -81,7 +85,7 @@ class MeshTarget(Target):
     async def open(self) -> None:
         """Connect and resolve the model (the default when none is named)."""
         try:
-            self._client = Client(self.addr, credentials=self.credentials)
+            self._client = Client(self.addr, credentials=self.credentials, batched=self.batched)
         except ValueError as exc:
             raise TargetError(f"--addr: {exc}") from exc
         first = self.addr.split(",")[0].strip()  # the routing table's router

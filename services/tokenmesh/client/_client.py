@@ -13,6 +13,14 @@ exactly once. For that every generation gets a request id (a fresh one when
 the caller gives none); a generation whose id the client made up is
 cancelled when the caller stops reading, since nobody else could resume it.
 Errors are the mesh's :class:`~tokenmesh.errors.MeshError` classes.
+
+By default (``batched=True``) every generation and resume sent to a router
+goes on one shared ``Inference/GenerateStream`` call to it
+(:mod:`tokenmesh.client._stream`): one message per router step for all of
+them instead of one per chunk per generation. A logical stream raises what
+its own Generate call would, so everything above holds unchanged. A router
+that predates the call (UNIMPLEMENTED), a request too big for one message,
+and ``batched=False`` get one ``Generate``/``Resume`` call per generation.
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ from types import TracebackType
 from typing import Any, Self
 
 import grpc
+from opentelemetry import trace
 
+from tokenmesh.client._stream import Sessions, Stream
 from tokenmesh.config import address_error
 from tokenmesh.discovery import join, literal_ip
 from tokenmesh.errors import DeadlineExceeded, MeshError, Unavailable, from_rpc_error
@@ -38,10 +48,13 @@ from tokenmesh.links import Links
 from tokenmesh.retry import Backoff, Reconnect, StreamEnded, describe, is_transient
 from tokenmesh.server import CHANNEL_OPTIONS
 from tokenmesh.tls import open_channel
-from tokenmesh.tracing import Tracing
+from tokenmesh.tracing import Tracing, inject
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+Call = grpc.aio.UnaryStreamCall[Any, inference_pb2.GenerateChunk] | Stream
+"""What one attempt reads: a Generate or Resume call, or a logical stream of a GenerateStream call."""
 
 BROKEN_CODES = frozenset(
     {
@@ -69,6 +82,8 @@ class Client:
             None: plaintext.
         server_name: with credentials, the name to verify in the routers' certificates ('' = each address's host).
         tracing: RPC spans of its calls while on (a ``traceparent`` in a call's metadata is their parent).
+        batched: every generation to a router on one shared ``Inference/GenerateStream`` call (falling back to
+            ``Generate`` for a router that predates it); False: one ``Generate``/``Resume`` call per generation.
 
     """
 
@@ -84,6 +99,9 @@ class Client:
     _background: set[asyncio.Task[Any]]
     _credentials: grpc.ChannelCredentials | None
     _tracing: Tracing | None
+    batched: bool
+    _sessions: Sessions
+    """Per router: the shared GenerateStream call, or that it predates it."""
 
     def __init__(
         self,
@@ -95,6 +113,7 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str = "",
         tracing: Tracing | None = None,
+        batched: bool = True,
     ) -> None:
         names = tuple(a.strip() for a in (routers.split(",") if isinstance(routers, str) else routers) if a.strip())
         if not names:
@@ -117,6 +136,8 @@ class Client:
         self._background = set()
         self._credentials = credentials
         self._tracing = tracing
+        self.batched = batched
+        self._sessions = Sessions(self._generate_stream)
 
     async def __aenter__(self) -> Self:
         return self
@@ -130,16 +151,19 @@ class Client:
         """Close every channel (cancels still on their way are given a moment)."""
         if self._background:
             await asyncio.wait(self._background, timeout=2)
+        await self._sessions.close()
         await self._links.close()
 
     def renew(self, credentials: grpc.ChannelCredentials) -> None:
         """New credentials (renewed certificates) for every call from now on.
 
         Each router gets a new channel; the old ones stay open until :meth:`close`,
-        so streams already running finish on them.
+        so streams already running finish on them (a GenerateStream call there is closed once its last stream
+        ended; a router that predated it is asked again).
         """
         self._credentials = credentials
         self._links.renew()
+        self._sessions.renew()
 
     # -- routers ------------------------------------------------------------
 
@@ -183,6 +207,10 @@ class Client:
 
     def _stub(self, address: str) -> inference_pb2_grpc.InferenceStub:
         return self._links.open(address).stub(inference_pb2_grpc.InferenceStub)
+
+    def _generate_stream(self, address: str) -> Any:
+        """A new GenerateStream call to the router (no deadline: each stream carries its own)."""
+        return self._stub(address).GenerateStream()
 
     def _policy(self, what: str, deadline_s: float) -> Reconnect:
         """The mesh's retry policy (tokenmesh.retry) for one call: full jitter up to 2 s, one deadline."""
@@ -241,13 +269,10 @@ class Client:
     ) -> AsyncGenerator[inference_pb2.GenerateChunk, None]:
         """The chunks of request (Generate) or of resume (Resume), continued on other routers when a stream breaks.
 
-        Which call goes next: Generate until a router may have started the
-        generation; from then on Resume(after_seq=last seq yielded). A Resume
-        that finds nothing before any chunk arrived (NOT_FOUND: the router that
-        had it never reached a worker) goes back to Generate. With
-        cancel_unfinished, a generation left before its final chunk (the
-        caller stopped reading, or an error) is cancelled: nobody else knows
-        its id.
+        Which call goes next: Generate until a router may have started the generation; from then on
+        Resume(after_seq=last seq yielded). A Resume that finds nothing before any chunk arrived (NOT_FOUND: the
+        router that had it never reached a worker) goes back to Generate. With cancel_unfinished, a generation left
+        before its final chunk (the caller stopped reading, or an error) is cancelled: nobody else knows its id.
         """
         end = None if timeout is None else time.monotonic() + timeout
         if request is not None:
@@ -259,14 +284,17 @@ class Client:
         resumes = 0
         address = ""
         stay = finished = False
+        call: Call | None = None
         try:
             while True:
                 if not stay:
                     address = await self._next_router(avoid=address)
                 stay = False
-                call = self._open(address, request_id, None if resuming else request, last, end, timeout, metadata)
                 broken: grpc.aio.AioRpcError | None = None
                 try:
+                    call = await self._open(
+                        address, request_id, None if resuming else request, last, end, timeout, metadata
+                    )
                     async for chunk in call:
                         if chunk.seq <= last:
                             continue  # a replay overlapping what the caller has
@@ -287,10 +315,19 @@ class Client:
                     resumes += 1
                 await self._again(policy, broken, resumes, request_id, address, last, resuming)
         finally:
-            if cancel_unfinished and not finished:
-                self._cancel_later(request_id)
+            self._leave(call, request_id, cancel=cancel_unfinished and not finished)
 
-    def _open(
+    def _leave(self, call: Call | None, request_id: str, *, cancel: bool) -> None:
+        """Let go of the last attempt's call; with cancel, stop the generation (nobody else knows its id)."""
+        if isinstance(call, Stream):
+            if call.let_go(cancel=cancel):
+                return  # the cancel went on its GenerateStream call
+        elif call is not None:
+            call.cancel()
+        if cancel:
+            self._cancel_later(request_id)
+
+    async def _open(
         self,
         address: str,
         request_id: str,
@@ -299,11 +336,19 @@ class Client:
         end: float | None,
         timeout: float | None,
         metadata: Sequence[tuple[str, str]],
-    ) -> grpc.aio.UnaryStreamCall[Any, inference_pb2.GenerateChunk]:
-        """Generate (request given), else Resume after last, on address within what is left of the timeout."""
+    ) -> Call:
+        """Generate (request given), else Resume after last, on address within what is left of the timeout.
+
+        A stream on the router's GenerateStream call when batched and the router serves it; else a call of its own.
+        Raises the ``grpc.aio.AioRpcError`` a GenerateStream call failed to open with (as a Generate call would).
+        """
         remaining = None if end is None else end - time.monotonic()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceeded(f"generation {request_id} did not finish within {timeout:g} s")
+        if self.batched:
+            stream = await self._start_stream(address, request_id, request, last, end, metadata)
+            if stream is not None:
+                return stream
         stub = self._stub(address)
         call: grpc.aio.UnaryStreamCall[Any, inference_pb2.GenerateChunk]
         if request is None:
@@ -312,6 +357,45 @@ class Client:
         else:
             call = stub.Generate(request, timeout=remaining, metadata=tuple(metadata))
         return call
+
+    async def _start_stream(
+        self,
+        address: str,
+        request_id: str,
+        request: inference_pb2.GenerateRequest | None,
+        last: int,
+        end: float | None,
+        metadata: Sequence[tuple[str, str]],
+    ) -> Stream | None:
+        """A stream on the router's GenerateStream call; None where the generation needs a call of its own.
+
+        That is: a router that predates GenerateStream, a request too big to share a message (it could not go on
+        the call without ending it for every stream), and a start that waited for room (the router's max_streams)
+        until the call ended.
+        """
+        session = await self._sessions.get(address)
+        if session is None:
+            return None
+        if session.full():
+            try:
+                await asyncio.wait_for(session.slot(), None if end is None else max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                raise DeadlineExceeded(f"generation {request_id}: no room on router {address} in time") from None
+            if not session.open:
+                return None
+        command = inference_pb2.StreamCommand(metadata=dict(metadata))
+        if self._tracing is not None and self._tracing.on and "traceparent" not in command.metadata:
+            command.metadata.update(inject(trace.get_current_span()))  # a Generate call's span would have this parent
+        if request is None:
+            command.resume.request_id = request_id
+            command.resume.after_seq = last
+        else:
+            command.generate.CopyFrom(request)
+        if end is not None:
+            command.timeout_s = max(0.001, end - time.monotonic())
+        if command.ByteSize() > session.max_command_bytes:
+            return None
+        return session.start(command, end)
 
     async def _again(
         self,

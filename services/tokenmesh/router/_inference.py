@@ -1,8 +1,10 @@
-"""``tokenmesh.v1.Inference`` on the router: Generate with failover, Resume, Cancel, ListModels.
+"""``tokenmesh.v1.Inference`` on the router: Generate with failover, Resume, Cancel, ListModels, GenerateStream.
 
 One attempt on one worker is :class:`~tokenmesh.router._relay.Relay`'s; this
 module decides what happens around it: admission, which failures move the
 stream to another worker, and the streams this router holds by request_id.
+GenerateStream carries many Generate and Resume streams on one call
+(:mod:`tokenmesh.router._stream`), each run by Generate or Resume itself.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from opentelemetry import trace
@@ -41,6 +43,7 @@ from tokenmesh.router._outcome import WorkerFailed, outcome
 from tokenmesh.router._pool import WorkerEntry, WorkerPool, prefix_key
 from tokenmesh.router._relay import Live, Progress, Relay, chunk, continuation, start_command, stop
 from tokenmesh.router._spares import Spares
+from tokenmesh.router._stream import StreamContext, StreamSession
 from tokenmesh.router._validation import validate
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tokenmesh.validation import require_request_id
@@ -67,13 +70,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     live: dict[str, Live]
     """Generations and resumes this router streams now, by request_id."""
     idle: asyncio.Event
-    """Set while no generation or resume is being streamed by this router (the drain waits for it)."""
+    """Set while no generation or resume is being streamed by this router, nor any stream of a GenerateStream call
+    (the drain waits for it)."""
     draining: bool
     """Set when the router drains: new generations and resumes get UNAVAILABLE."""
     spares: Spares
     cancels: WorkerCancels
     sessions: LinkSessions
     """The workers' Link sessions (with --worker-link auto; none: every attempt is a Worker/Generate call)."""
+    stream_calls: set[StreamSession]
+    """The GenerateStream calls open now."""
+    open_streams: int
+    """Streams open on GenerateStream calls (from their start until their end is taken to be sent)."""
     _config: RouterConfig
     _pool: WorkerPool
     _admission: Admission
@@ -104,6 +112,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.idle = asyncio.Event()
         self.idle.set()
         self.draining = False
+        self.stream_calls = set()
+        self.open_streams = 0
         self.spares = Spares(links)
         self.cancels = WorkerCancels(links)
         self.sessions = LinkSessions()
@@ -119,6 +129,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         key = prefix_key(request)
         observe = self._observe(base, tenant, bool(key), context)
         live = self._begin(request_id)
+        if isinstance(context, StreamContext):
+            context.began(request_id, live)  # a GenerateStream stream: its cancel command is a Cancel of request_id
         progress = Progress()
         attempts = 0
         try:
@@ -295,8 +307,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def _end(self, request_id: str) -> None:
         self.live.pop(request_id).ended.set()
-        if not self.live:
+        if not self.live and not self.open_streams:
             self.idle.set()
+
+    def drain(self) -> None:
+        """Refuse new generations and resumes from now on; a GenerateStream call ends once its streams have."""
+        self.draining = True
+        for session in self.stream_calls:
+            session.kick()
 
     async def _acquire(
         self,
@@ -422,6 +440,57 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 raise NotFound(f"{unknown} on the workers that answered; could not ask {', '.join(not_asked)}")
             raise NotFound(unknown)
         return inference_pb2.CancelResponse(cancelled=True)
+
+    async def GenerateStream(  # noqa: N802 - gRPC method name
+        self,
+        request_iterator: AsyncIterator[inference_pb2.StreamCommands],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[inference_pb2.StreamEvents]:
+        """Many generations and resumes on one call, each run by Generate or Resume; one message per send."""
+        session = StreamSession(
+            context,
+            self._stream_source,
+            self._stream_cancel,
+            self._streams_opened,
+            self._drains,
+            self.metrics.stream_message,
+        )
+        self.stream_calls.add(session)
+        try:
+            async for message in session.run(request_iterator):
+                yield message
+        finally:
+            self.stream_calls.discard(session)
+
+    def _stream_source(
+        self, command: inference_pb2.StreamCommand, context: StreamContext
+    ) -> AsyncIterator[inference_pb2.GenerateChunk]:
+        """A GenerateStream stream's chunks: Generate's or Resume's own, with the stream's deadline and metadata."""
+        call = cast("grpc.aio.ServicerContext[Any, Any]", context)  # offers what Generate and Resume use of a call
+        if command.HasField("generate"):
+            return self.Generate(command.generate, call)
+        return self.Resume(command.resume, call)
+
+    async def _stream_cancel(self, context: StreamContext) -> None:
+        """A stream's cancel command: Inference/Cancel of its generation (one not admitted yet is cancelled then)."""
+        if not context.request_id:
+            context.cancel_asked = True
+            return
+        with contextlib.suppress(MeshError):  # NotFound: it raced the generation's end
+            await self.Cancel(
+                inference_pb2.CancelRequest(request_id=context.request_id),
+                cast("grpc.aio.ServicerContext[Any, Any]", context),
+            )
+
+    def _streams_opened(self, change: int) -> None:
+        self.open_streams += change
+        if self.open_streams:
+            self.idle.clear()
+        elif not self.live:
+            self.idle.set()
+
+    def _drains(self) -> bool:
+        return self.draining
 
     async def ListModels(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -102,6 +102,14 @@ class RouterMetrics:
             ["worker", "reason"],
             registry=r,
         )
+        self.stream_messages = Counter(
+            "tokenmesh_router_stream_messages_total",
+            "StreamEvents messages sent on GenerateStream calls (chunks per message: stream_chunks_total over this)",
+            registry=r,
+        )
+        self.stream_chunks = Counter(
+            "tokenmesh_router_stream_chunks_total", "Chunks sent on GenerateStream calls", registry=r
+        )
         self.resumes = Counter("tokenmesh_router_resumes_total", "Resume calls by outcome", ["outcome"], registry=r)
         self.cancels = Counter("tokenmesh_router_cancels_total", "Cancel calls by outcome", ["outcome"], registry=r)
         self.denied = Counter(
@@ -131,6 +139,12 @@ class RouterMetrics:
         """A generation refused before it had a model (bad input, unknown model, draining): model label ''."""
         if self.enabled:
             self.requests.labels("", outcome, self.tenant(tenant)).inc()
+
+    def stream_message(self, chunks: int) -> None:
+        """A GenerateStream message with chunks chunks went out."""
+        if self.enabled:
+            self.stream_messages.inc()
+            self.stream_chunks.inc(chunks)
 
     def generation(self, model: str, tenant: str) -> GenerationMetrics:
         """The recorder of one generation (one that records nothing while metrics are off)."""

@@ -136,8 +136,9 @@ class Router(Service):
     """Lifecycle of one router: start, ready (SERVING), drain, stop.
 
     Draining: readiness goes NOT_SERVING, new generations and resumes get
-    UNAVAILABLE (callers retry on another router), in-flight generations may
-    finish within ``drain_grace_s``; Cancel keeps working.
+    UNAVAILABLE (callers retry on another router), in-flight generations (also
+    the streams of GenerateStream calls, each call ending once its streams
+    have) may finish within ``drain_grace_s``; Cancel keeps working.
 
     Args:
         config: the router's settings.
@@ -336,7 +337,7 @@ class Router(Service):
         if self.peers is not None:
             self.peers.unregister()
             await self.peers.close()
-        self.inference.draining = True
+        self.inference.drain()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.inference.idle.wait(), self.drain_grace_s)
 

@@ -1,3 +1,4 @@
+from google.rpc import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -155,3 +156,80 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class StreamCommands(_message.Message):
+    __slots__ = ("commands", "credit_stream", "credit_bytes")
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_STREAM_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    commands: _containers.RepeatedCompositeFieldContainer[StreamCommand]
+    credit_stream: _containers.RepeatedScalarFieldContainer[int]
+    credit_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, commands: _Optional[_Iterable[_Union[StreamCommand, _Mapping]]] = ..., credit_stream: _Optional[_Iterable[int]] = ..., credit_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StreamCommand(_message.Message):
+    __slots__ = ("stream", "generate", "resume", "cancel", "detach", "window_bytes", "timeout_s", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    generate: GenerateRequest
+    resume: ResumeRequest
+    cancel: StreamCancel
+    detach: StreamDetach
+    window_bytes: int
+    timeout_s: float
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, stream: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., resume: _Optional[_Union[ResumeRequest, _Mapping]] = ..., cancel: _Optional[_Union[StreamCancel, _Mapping]] = ..., detach: _Optional[_Union[StreamDetach, _Mapping]] = ..., window_bytes: _Optional[int] = ..., timeout_s: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StreamCancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StreamDetach(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StreamEvents(_message.Message):
+    __slots__ = ("settings", "chunk_stream", "chunks", "ends")
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_STREAM_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    settings: StreamSettings
+    chunk_stream: _containers.RepeatedScalarFieldContainer[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[GenerateChunk]
+    ends: _containers.RepeatedCompositeFieldContainer[StreamEnd]
+    def __init__(self, settings: _Optional[_Union[StreamSettings, _Mapping]] = ..., chunk_stream: _Optional[_Iterable[int]] = ..., chunks: _Optional[_Iterable[_Union[GenerateChunk, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StreamEnd, _Mapping]]] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("stream", "status")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    status: _status_pb2.Status
+    def __init__(self, stream: _Optional[int] = ..., status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+
+class StreamSettings(_message.Message):
+    __slots__ = ("protocol", "default_window_bytes", "max_batch_bytes", "max_streams")
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    protocol: int
+    default_window_bytes: int
+    max_batch_bytes: int
+    max_streams: int
+    def __init__(self, protocol: _Optional[int] = ..., default_window_bytes: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_streams: _Optional[int] = ...) -> None: ...

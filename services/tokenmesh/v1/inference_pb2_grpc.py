@@ -55,6 +55,11 @@ class InferenceStub:
                 request_serializer=tokenmesh_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=tokenmesh_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/tokenmesh.v1.Inference/GenerateStream',
+                request_serializer=tokenmesh_dot_v1_dot_inference__pb2.StreamCommands.SerializeToString,
+                response_deserializer=tokenmesh_dot_v1_dot_inference__pb2.StreamEvents.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -91,6 +96,25 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request_iterator, context):
+        """Many generations and resumes on one call, each a logical stream with a
+        caller-chosen id: what tokenmesh.client and the gateway use. Every
+        message the router sends carries every chunk that is ready, of every
+        stream with credit, so a busy call costs one message per router step, not
+        one per token per generation. Per stream everything is as on Generate and
+        Resume: the same chunks and seq, the same checks, and a stream that fails
+        ends with the status (and details) its own call would have ended with, in
+        a StreamEnd; one stream's error never ends the call. When the caller
+        half-closes, the router sends every stream on to its end, then ends the
+        call. When the call breaks, each generation behaves as if its own
+        Generate call had broken: one with a caller-given request_id runs on for
+        Resume (on any router). A router that predates it answers UNIMPLEMENTED:
+        callers fall back to Generate and Resume.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +137,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=tokenmesh_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=tokenmesh_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=tokenmesh_dot_v1_dot_inference__pb2.StreamCommands.FromString,
+                    response_serializer=tokenmesh_dot_v1_dot_inference__pb2.StreamEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +253,33 @@ class Inference:
             '/tokenmesh.v1.Inference/ListModels',
             tokenmesh_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
             tokenmesh_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tokenmesh.v1.Inference/GenerateStream',
+            tokenmesh_dot_v1_dot_inference__pb2.StreamCommands.SerializeToString,
+            tokenmesh_dot_v1_dot_inference__pb2.StreamEvents.FromString,
             options,
             channel_credentials,
             insecure,
