@@ -44,6 +44,7 @@ from tokenmesh.router._pool import WorkerEntry, WorkerPool, prefix_key
 from tokenmesh.router._relay import Live, Progress, Relay, chunk, continuation, start_command, stop
 from tokenmesh.router._spares import Spares
 from tokenmesh.router._stream import StreamContext, StreamSession
+from tokenmesh.router._stream import settings as stream_settings
 from tokenmesh.router._validation import validate
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tokenmesh.validation import require_request_id
@@ -454,6 +455,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._streams_opened,
             self._drains,
             self.metrics.stream_message,
+            stream_settings(self._config.max_streams_per_connection),
         )
         self.stream_calls.add(session)
         try:

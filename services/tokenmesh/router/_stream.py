@@ -49,7 +49,22 @@ log = logging.getLogger(__name__)
 PROTOCOL = 1
 """The GenerateStream protocol this router speaks (StreamSettings.protocol)."""
 
-SETTINGS = inference_pb2.StreamSettings(
+
+def settings(max_streams: int) -> inference_pb2.StreamSettings:
+    """What the router announces on every GenerateStream call.
+
+    max_streams is --max-streams-per-connection's bound: one caller connection holds no more generations on one
+    call than on as many Generate calls.
+    """
+    return inference_pb2.StreamSettings(
+        protocol=PROTOCOL,
+        default_window_bytes=DEFAULTS.default_window_bytes,
+        max_batch_bytes=DEFAULTS.max_batch_bytes,
+        max_streams=max_streams,
+    )
+
+
+DEFAULTS = inference_pb2.StreamSettings(
     protocol=PROTOCOL,
     # What an HTTP/2 stream's default window lets a Generate caller have in flight (64 KiB): as much ahead of the
     # caller as before, per stream.
@@ -152,6 +167,7 @@ class StreamSession:
         opened: told +1 when a stream opens and -1 when it is over on the call (the router's drain waits for 0).
         draining: whether the router drains (the call ends once its streams have).
         sent: told the number of chunks of each message taken to be sent (the router's metrics).
+        announced: the call's settings (sent first).
 
     """
 
@@ -182,7 +198,9 @@ class StreamSession:
         opened: Callable[[int], None],
         draining: Callable[[], bool],
         sent: Callable[[int], None] = lambda _: None,
+        announced: inference_pb2.StreamSettings = DEFAULTS,
     ) -> None:
+        self.settings = announced
         self._call = call
         self._source = source
         self._cancel = cancel
@@ -208,7 +226,7 @@ class StreamSession:
         reader = asyncio.create_task(self._read(commands))
         reader.add_done_callback(lambda _: self.kick())
         try:
-            yield inference_pb2.StreamEvents(settings=SETTINGS)
+            yield inference_pb2.StreamEvents(settings=self.settings)
             while True:
                 if reader.done():
                     reader.result()  # a message that did not parse ends the call with its status
@@ -310,9 +328,9 @@ class StreamSession:
                     f"commands.timeout_s must be a number of seconds >= 0 (0: none), got {timeout_s:g}",
                     field="commands.timeout_s",
                 )
-            if len(self.streams) >= SETTINGS.max_streams:
+            if len(self.streams) >= self.settings.max_streams:
                 raise ResourceExhausted(
-                    f"this call carries {SETTINGS.max_streams} streams already; wait for one to end, or open "
+                    f"this call carries {self.settings.max_streams} streams already; wait for one to end, or open "
                     "another call",
                     reason="STREAMS_EXHAUSTED",
                 )
@@ -320,7 +338,7 @@ class StreamSession:
             self.ends.append(inference_pb2.StreamEnd(stream=stream, status=error.status()))
             self.kick()
             return
-        window = command.window_bytes or SETTINGS.default_window_bytes
+        window = command.window_bytes or self.settings.default_window_bytes
         context = StreamContext(self._call, dict(command.metadata), timeout_s)
         if command.HasField("resume"):
             context.request_id = command.resume.request_id
@@ -411,7 +429,7 @@ class StreamSession:
         """Everything ready now, within the message's budget, as one message."""
         if not self.ready and not self.ends:
             return None
-        budget = SETTINGS.max_batch_bytes
+        budget = self.settings.max_batch_bytes
         streams: list[int] = []
         chunks: list[inference_pb2.GenerateChunk] = []
         ends, self.ends = self.ends, []

@@ -6,8 +6,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
-
 from tokenmesh.errors import InvalidArgument
 from tokenmesh.router import _stream
 from tokenmesh.router._stream import StreamContext, StreamSession
@@ -82,11 +80,20 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def opened(script: Script) -> tuple[StreamSession, AsyncIterator[inference_pb2.StreamEvents]]:
+def opened(
+    script: Script, announced: inference_pb2.StreamSettings = _stream.DEFAULTS
+) -> tuple[StreamSession, AsyncIterator[inference_pb2.StreamEvents]]:
     async def cancel(context: StreamContext) -> None:
         return None
 
-    session = StreamSession(FakeCall(), script.source, cancel, script.count, lambda: False)  # type: ignore[arg-type]
+    session = StreamSession(
+        FakeCall(),  # type: ignore[arg-type]
+        script.source,
+        cancel,
+        script.count,
+        lambda: False,
+        announced=announced,
+    )
     return session, session.run(script.requests())
 
 
@@ -150,13 +157,9 @@ async def test_a_stream_without_credit_pulls_nothing_until_credit_comes_and_hold
     assert script.pulled[1] == 8
 
 
-async def test_refused_starts_end_alone_and_errors_become_the_streams_status(monkeypatch: pytest.MonkeyPatch) -> None:
-    limited = inference_pb2.StreamSettings()
-    limited.CopyFrom(_stream.SETTINGS)
-    limited.max_streams = 2
-    monkeypatch.setattr(_stream, "SETTINGS", limited)
+async def test_refused_starts_end_alone_and_errors_become_the_streams_status() -> None:
     script = Script()
-    session, events = opened(script)
+    session, events = opened(script, _stream.settings(max_streams=2))
     await anext(events)
     script.send(start(0), start(1), start(2), start(3), start(1), start(4, timeout_s=float("nan")))
     await settle()
