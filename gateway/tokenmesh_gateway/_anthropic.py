@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenmesh.v1 import inference_pb2
 from tokenmesh_gateway._errors import invalid
-from tokenmesh_gateway._openai import UINT32_MAX, _is_neutral, _number, _short, _string, _type_name
+from tokenmesh_gateway._fields import UINT32_MAX, is_neutral, number, short, string, type_name
 
 ROLES = ("user", "assistant")
 """The roles of Anthropic's messages (the system prompt is the top-level ``system``)."""
@@ -50,9 +50,9 @@ class MessagesRequest:
 def parse(body: dict[str, Any], default_model: str = "") -> MessagesRequest:
     """Check body (a decoded Messages request) and build the mesh's request."""
     for name, neutral in _NEUTRAL.items():
-        if name in body and not _is_neutral(body[name], neutral):
-            raise invalid(f"{name} is not supported by tokenmesh (got {_short(body[name])}); leave it out", name)
-    request = inference_pb2.GenerateRequest(model=_string(body, "model") or default_model)
+        if name in body and not is_neutral(body[name], neutral):
+            raise invalid(f"{name} is not supported by tokenmesh (got {short(body[name])}); leave it out", name)
+    request = inference_pb2.GenerateRequest(model=string(body, "model") or default_model)
     system = body.get("system")
     if system is not None:
         text = _text(system, "system")
@@ -63,24 +63,24 @@ def parse(body: dict[str, Any], default_model: str = "") -> MessagesRequest:
     _sampling(body, request)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise invalid(f"stream must be true or false, got {_short(stream)}", "stream")
+        raise invalid(f"stream must be true or false, got {short(stream)}", "stream")
     return MessagesRequest(request, bool(stream))
 
 
 def _messages(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list):
-        raise invalid(f"messages must be a list of {{role, content}} objects, got {_type_name(messages)}", "messages")
+        raise invalid(f"messages must be a list of {{role, content}} objects, got {type_name(messages)}", "messages")
     if not messages:
         raise invalid("messages is empty: send at least one {role, content}", "messages")
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise invalid(f"{where} must be an object with role and content, got {_type_name(message)}", where)
+            raise invalid(f"{where} must be an object with role and content, got {type_name(message)}", where)
         role = message.get("role")
         if role not in ROLES:
             raise invalid(
-                f"{where}.role is {_short(role)}; use user or assistant (the system prompt is the top-level system)",
+                f"{where}.role is {short(role)}; use user or assistant (the system prompt is the top-level system)",
                 f"{where}.role",
             )
         request.messages.add(role=role, content=_text(message.get("content"), f"{where}.content"))
@@ -99,14 +99,14 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(f"{where} must be a string or a list of text blocks, got {_type_name(content)}", where)
+        raise invalid(f"{where} must be a string or a list of text blocks, got {type_name(content)}", where)
     texts = []
     for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else _type_name(block)
+        kind = block.get("type") if isinstance(block, dict) else type_name(block)
         if kind != "text" or not isinstance(block.get("text"), str):
             raise invalid(
                 f'{where}[{j}] must be {{"type": "text", "text": "..."}}; tokenmesh takes text only '
-                f"(got {_short(kind)})",
+                f"(got {short(kind)})",
                 f"{where}[{j}]",
             )
         if block.get("citations"):
@@ -120,34 +120,34 @@ def _max_tokens(body: dict[str, Any]) -> int:
     if value is None:
         raise invalid("max_tokens is required: the most tokens to generate, at least 1", "max_tokens")
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= UINT32_MAX:
-        raise invalid(f"max_tokens must be a whole number of at least 1, got {_short(value)}", "max_tokens")
+        raise invalid(f"max_tokens must be a whole number of at least 1, got {short(value)}", "max_tokens")
     return value
 
 
 def _sampling(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> None:
     """The sampling fields (temperature 0..1, Anthropic's range; top_p), stop_sequences and metadata.user_id."""
-    temperature = _number(body, "temperature")
+    temperature = number(body, "temperature")
     if temperature is not None:
         if not 0 <= temperature <= 1:
             raise invalid(f"temperature must be 0..1, got {temperature}", "temperature")
         request.temperature = temperature
-    top_p = _number(body, "top_p")
+    top_p = number(body, "top_p")
     if top_p is not None:
         request.top_p = top_p
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise invalid(f"stop_sequences must be a list of strings, got {_short(stops)}", "stop_sequences")
+            raise invalid(f"stop_sequences must be a list of strings, got {short(stops)}", "stop_sequences")
         request.stop.extend(s for s in stops if s)
     metadata = body.get("metadata")
     if metadata is None:
         return
     if not isinstance(metadata, dict):
-        raise invalid(f"metadata must be an object, got {_type_name(metadata)}", "metadata")
+        raise invalid(f"metadata must be an object, got {type_name(metadata)}", "metadata")
     for key, value in metadata.items():
         if key != "user_id":
             raise invalid(f"metadata.{key} is not a field of metadata (only user_id is)", f"metadata.{key}")
         if value is not None and not isinstance(value, str):
-            raise invalid(f"metadata.user_id must be a string, got {_short(value)}", "metadata.user_id")
+            raise invalid(f"metadata.user_id must be a string, got {short(value)}", "metadata.user_id")
         if value:
             request.labels["user"] = value

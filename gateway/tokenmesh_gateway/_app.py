@@ -34,8 +34,9 @@ from tokenmesh_gateway._anthropic_sse import ANTHROPIC_ERRORS, MessagesAnswer
 from tokenmesh_gateway._auth import tenant_of
 from tokenmesh_gateway._config import GatewayConfig
 from tokenmesh_gateway._errors import DEFAULT_RETRY_AFTER_MS, OPENAI_ERRORS, ErrorShape, HttpError, from_mesh, invalid
+from tokenmesh_gateway._fields import decode_body
 from tokenmesh_gateway._http import Receive, Scope, Send, header, read_body, respond, respond_error
-from tokenmesh_gateway._openai import Kind, decode_body, parse, stream_flags
+from tokenmesh_gateway._openai import Kind, parse, stream_flags
 from tokenmesh_gateway._sse import OpenAIAnswer, response_id
 from tokenmesh_gateway._stream import Answer, Exchanges
 
