@@ -7,6 +7,9 @@ the ``BadRequest`` field violation, ``code`` the ``ErrorInfo`` reason where
 OpenAI has a word for it (else the status code's name), and a retry hint
 (``RetryInfo``) becomes the ``Retry-After`` (seconds) and ``retry-after-ms``
 headers, which the ``openai`` SDK honours when it retries.
+
+An :class:`ErrorShape` writes the error as one API does: OpenAI's here,
+Anthropic's in ``_anthropic_sse``; each route says which.
 """
 
 from __future__ import annotations

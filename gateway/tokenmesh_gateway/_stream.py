@@ -2,8 +2,10 @@
 
 The HTTP status waits for the mesh's first chunk, so a request the router
 refuses (bad input, unknown model, queue full, no worker) is a real 4xx/5xx
-with the OpenAI error body; an error after the first chunk is an error event
-and the end of the stream.
+with the API's error body; an error after the first chunk is an error event
+and the end of the stream. What the bytes look like is the :class:`Answer`'s
+(OpenAI's format in ``_sse``, Anthropic's in ``_anthropic_sse``): this module
+only runs the exchange.
 
 Each exchange has one watcher task beside the request's own: it reads the
 ASGI receive channel, so a caller that goes away is noticed at once, also
