@@ -3,7 +3,9 @@
 A stream is ``message_start``, ``content_block_start`` (one text block),
 ``ping``, a ``content_block_delta`` (``text_delta``) per chunk of the mesh,
 then ``content_block_stop``, ``message_delta`` (``stop_reason`` and the
-usage) and ``message_stop``. The mesh counts the prompt's tokens only when
+usage) and ``message_stop``; the last event of each chunk carries
+``id: <request_id>:<seq>``, so ``Last-Event-ID`` resumes it as on the OpenAI
+routes (a resumed stream has no opening events). The mesh counts the prompt's tokens only when
 the generation ends, so ``message_start`` carries ``input_tokens: 0`` and
 ``message_delta`` the real ``input_tokens`` with ``output_tokens`` (its
 counts are totals, which the ``anthropic`` SDK takes over the start's).
@@ -97,11 +99,13 @@ class MessagesAnswer:
     """The model to name when the mesh's chunks name none."""
     id_prefix: str = ""
     """What the mesh's request ids carry in front of the caller's (its tenant); the caller never sees it."""
+    after: int = 0
+    """The seq a resumed stream starts after (``Last-Event-ID``); 0: the whole stream, its opening events too."""
     errors: AnthropicErrors = ANTHROPIC_ERRORS
 
     def encoder(self, request_id: str, model: str) -> MessagesEncoder:
         """The named events of the stream."""
-        return MessagesEncoder(request_id, model or self.model)
+        return MessagesEncoder(request_id, model or self.model, resumed=self.after > 0)
 
     def whole(self, request_id: str, text: str, last: inference_pb2.GenerateChunk) -> bytes:
         """The Message object; 499 for a cancelled generation."""
@@ -129,20 +133,27 @@ class MessagesAnswer:
 class MessagesEncoder:
     """The named SSE events of one Message stream.
 
+    The last event of each chunk carries ``id: <request_id>:<seq>``, as on
+    the OpenAI routes: ``Last-Event-ID`` on a repeated POST resumes right
+    after it.
+
     Args:
         request_id: the generation's id (the Message's ``id`` is ``msg_<request_id>``).
         model: the model that serves it.
+        resumed: the stream continues one the caller has seen the start of (no opening events).
 
     """
 
     request_id: str
     opened: bool
-    """message_start, content_block_start and ping are sent."""
+    """message_start, content_block_start and ping are sent (or were, before a resume)."""
     _start: bytes
+    _id_line: bytes
 
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, *, resumed: bool = False) -> None:
         self.request_id = request_id
-        self.opened = False
+        self.opened = resumed
+        self._id_line = b"id: " + orjson.dumps(request_id)[1:-1] + b":"
         message: dict[str, object] = {
             "id": message_id(request_id),
             "type": "message",
@@ -163,18 +174,20 @@ class MessagesEncoder:
         )
 
     def chunk(self, chunk: inference_pb2.GenerateChunk) -> bytes:
-        """A text delta (after the opening events, on the first chunk)."""
+        """A text delta with the chunk's id (after the opening events, on the first chunk)."""
+        # The hot path: only the text is JSON-encoded, the rest is bytes made once per stream.
+        delta = self._id_line + str(chunk.seq).encode() + b"\n" + _DELTA_HEAD + orjson.dumps(chunk.text) + b"}}\n\n"
         if self.opened:
-            return _delta(chunk.text)
+            return delta
         self.opened = True
-        return self._start + (_delta(chunk.text) if chunk.text else b"")
+        return self._start + delta
 
     def last(self, chunk: inference_pb2.GenerateChunk) -> bytes:
         """The last delta, content_block_stop, message_delta and message_stop (an error event if cancelled)."""
         head = b"" if self.opened else self._start
         self.opened = True
         if chunk.text:
-            head += _delta(chunk.text)
+            head += _DELTA_HEAD + orjson.dumps(chunk.text) + b"}}\n\n"
         reason = STOP_REASONS.get(chunk.finish_reason)
         if reason is None:
             return head + _event(b"error", ANTHROPIC_ERRORS.body(_cancelled(self.request_id)))
@@ -188,6 +201,9 @@ class MessagesEncoder:
                     {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None}, "usage": usage}
                 ),
             )
+            + self._id_line
+            + str(chunk.seq).encode()
+            + b"\n"
             + _event(b"message_stop", b'{"type":"message_stop"}')
         )
 
@@ -195,8 +211,3 @@ class MessagesEncoder:
 _DELTA_HEAD = (
     b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":'
 )
-
-
-def _delta(text: str) -> bytes:
-    # The hot path: only the text is JSON-encoded.
-    return _DELTA_HEAD + orjson.dumps(text) + b"}}\n\n"

@@ -139,10 +139,34 @@ class GatewayApp:
         self._refuse_if_draining()
         body = decode_body(await read_body(scope, receive, self.config.max_body_bytes))
         request_id = _request_id(scope)
+        last_event = header(scope, b"last-event-id")
+        if last_event is not None:
+            await self._resume_messages(body, last_event, request_id, tenant, scope, receive, send)
+            return
         parsed = _anthropic.parse(body, self.config.default_model)
         request = parsed.request
         prefix = self._identify(request, request_id, tenant)
         await self._answer("chat", request, MessagesAnswer(parsed.stream, request.model, prefix), scope, receive, send)
+
+    async def _resume_messages(
+        self,
+        body: dict[str, Any],
+        last_event: bytes,
+        request_id: str,
+        tenant: str,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """A repeated Messages POST with ``Last-Event-ID``: the rest of that stream, without its opening events."""
+        after_id, after = _last_event(last_event.decode("latin-1"), request_id)
+        if body.get("stream") is not True:
+            raise invalid("Last-Event-ID resumes a stream: send stream: true", "stream")
+        model = body.get("model")
+        model = model if isinstance(model, str) else ""
+        prefix = f"{tenant}/" if tenant else ""
+        answer = MessagesAnswer(True, model or self.config.default_model, prefix, after=after)
+        await self._replay("chat", after_id, after, answer, receive, send, model, scope)
 
     @staticmethod
     def _identify(request: inference_pb2.GenerateRequest, request_id: str, tenant: str) -> str:
@@ -204,6 +228,20 @@ class GatewayApp:
         answer = OpenAIAnswer(
             kind, True, include_usage, continuous_usage, model or self.config.default_model, int(time.time()), prefix
         )
+        await self._replay(kind, request_id, after, answer, receive, send, model, scope)
+
+    async def _replay(
+        self,
+        kind: Kind,
+        request_id: str,
+        after: int,
+        answer: Answer,
+        receive: Receive,
+        send: Send,
+        model: str,
+        scope: Scope | None,
+    ) -> None:
+        """Every chunk of request_id (in the answer's tenant's space) after seq ``after``, then live, as answer says."""
         span, metadata = (
             self._span(scope, kind, model or self.config.default_model or "default")
             if scope is not None
@@ -211,7 +249,9 @@ class GatewayApp:
         )
         try:
             await self.exchanges.answer(
-                lambda: self.client.resume(prefix + request_id, after, timeout=self._timeout(), metadata=metadata),
+                lambda: self.client.resume(
+                    answer.id_prefix + request_id, after, timeout=self._timeout(), metadata=metadata
+                ),
                 answer,
                 receive,
                 send,

@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.support.gateway_helpers import gateway_over
+from tests.support.gateway_helpers import Reader, gateway_over
 from tests.support.mesh import InProcessMesh, expected_text, in_process_mesh, wait_until
 from tokenmesh_gateway import Gateway, hash_key
 
@@ -38,14 +38,24 @@ def error_of(exc: pytest.ExceptionInfo[anthropic.APIStatusError]) -> Any:
     return body["error"]
 
 
-def named_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
-    """(event name, data) of each event of an SSE body."""
+def fields_of(raw: bytes) -> list[dict[str, str]]:
+    """The fields (event, data, id) of each event of an SSE body, comment lines dropped."""
     found = []
     for block in raw.split(b"\n\n"):
         fields = dict(line.decode().partition(": ")[::2] for line in block.split(b"\n") if line and line[:1] != b":")
         if fields:
-            found.append((fields["event"], orjson.loads(fields["data"])))
+            found.append(fields)
     return found
+
+
+def named_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
+    """(event name, data) of each event of an SSE body."""
+    return [(fields["event"], orjson.loads(fields["data"])) for fields in fields_of(raw)]
+
+
+def text_of(raw: bytes) -> str:
+    """The text of the deltas of an SSE body."""
+    return "".join(data["delta"]["text"] for name, data in named_events(raw) if name == "content_block_delta")
 
 
 async def test_create_answers_a_message_with_its_text_usage_and_stop_reason(mesh: InProcessMesh) -> None:
@@ -141,6 +151,24 @@ async def test_a_caller_that_leaves_a_stream_cancels_its_generation() -> None:
                 break
         await wait_until(lambda: all(g.cancelled.is_set() for b in mesh.backends for g in b.started))
         assert sum(len(b.started) for b in mesh.backends) == 1
+
+
+async def test_a_dropped_stream_resumes_with_last_event_id_exactly_the_rest() -> None:
+    async with in_process_mesh(backend_settings={"delay": 0.02}) as mesh, gateway_over(mesh) as gateway:
+        body = {"model": "fake", "max_tokens": 30, "messages": USER, "stream": True}
+        async with httpx.AsyncClient(base_url=gateway.url) as http:
+            async with http.stream("POST", "/messages", json=body, headers={"X-Request-Id": "story"}) as response:
+                seen = await Reader(response).events(8)
+            seen = seen[: seen.rindex(b"\n\n") + 2]  # what a client had whole when the connection dropped
+            last_id = [fields["id"] for fields in fields_of(seen) if "id" in fields][-1]
+            await asyncio.sleep(0.1)
+            assert sum(not g.cancelled.is_set() for b in mesh.backends for g in b.started) == 1  # detached
+            rest = await http.post("/messages", json=body, headers={"Last-Event-ID": last_id})
+    assert rest.status_code == 200 and last_id.startswith("story:")
+    assert text_of(seen) + text_of(rest.content) == expected_text(30)
+    names = [name for name, _ in named_events(rest.content)]
+    assert "message_start" not in names and names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert named_events(rest.content)[-2][1]["usage"] == {"input_tokens": 3, "output_tokens": 30}
 
 
 # -- errors ------------------------------------------------------------------------------------------------------

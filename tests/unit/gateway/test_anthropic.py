@@ -28,12 +28,19 @@ def chunk(text: str, finish: int = 0, seq: int = 1, usage: tuple[int, int] = (0,
 
 
 def events(raw: bytes) -> list[tuple[str, Any]]:
+    """(name, data) of each event; an id only on the events that can end a chunk."""
     out = []
     for block in raw.split(b"\n\n"):
         if block:
-            name, data = block.split(b"\n")
-            out.append((name.removeprefix(b"event: ").decode(), orjson.loads(data.removeprefix(b"data: "))))
+            fields = dict(line.split(b": ", 1) for line in block.split(b"\n"))
+            name = fields[b"event"].decode()
+            assert b"id" not in fields or name in ("content_block_delta", "message_stop"), block
+            out.append((name, orjson.loads(fields[b"data"])))
     return out
+
+
+def ids(raw: bytes) -> list[str]:
+    return [line.removeprefix(b"id: ").decode() for line in raw.split(b"\n") if line.startswith(b"id: ")]
 
 
 def test_a_messages_body_becomes_the_mesh_request() -> None:
@@ -111,12 +118,25 @@ def test_each_ending_of_a_stream_in_anthropics_events() -> None:
     assert "".join(data["delta"]["text"] for name, data in got if name == "content_block_delta") == "Hello!"
     assert got[7][1]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
     assert got[7][1]["usage"] == {"input_tokens": 4, "output_tokens": 3}
+    assert ids(raw) == ["r1:1", "r1:2", "r1:3"]  # the last event of each chunk: the final delta has none of its own
+
+    # Resumed after seq 1: no opening events, the rest with their ids.
+    resumed = MessagesAnswer(stream=True, model="m", after=1).encoder("r1", "m")
+    rest = resumed.chunk(chunk("lo", seq=2)) + resumed.last(chunk("!", inference_pb2.FINISH_REASON_STOP, 3, (4, 3)))
+    assert [name for name, _ in events(rest)] == [
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert ids(rest) == ["r1:2", "r1:3"]
 
     # A generation whose first chunk is its last still opens the message; a cancelled one ends in an error event.
     only = events(answer.encoder("r2", "m").last(chunk("", inference_pb2.FINISH_REASON_LENGTH, 1, (4, 0))))
     assert [name for name, _ in only][:3] == ["message_start", "content_block_start", "ping"]
     assert only[-2][1]["delta"]["stop_reason"] == "max_tokens"
-    cancelled = events(answer.encoder("r3", "m").last(chunk("x", inference_pb2.FINISH_REASON_CANCELLED, 1)))
+    cancelled = events(answer.encoder("r3", "m").last(chunk("", inference_pb2.FINISH_REASON_CANCELLED, 1)))
     assert cancelled[-1] == (
         "error",
         {
