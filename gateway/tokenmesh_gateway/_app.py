@@ -29,12 +29,15 @@ from tokenmesh.client import Client
 from tokenmesh.errors import MeshError
 from tokenmesh.tracing import from_mapping, inject, operation
 from tokenmesh.v1 import inference_pb2
+from tokenmesh_gateway import _anthropic
+from tokenmesh_gateway._anthropic_sse import ANTHROPIC_ERRORS, MessagesAnswer
 from tokenmesh_gateway._auth import tenant_of
 from tokenmesh_gateway._config import GatewayConfig
-from tokenmesh_gateway._errors import DEFAULT_RETRY_AFTER_MS, HttpError, from_mesh, invalid
+from tokenmesh_gateway._errors import DEFAULT_RETRY_AFTER_MS, OPENAI_ERRORS, ErrorShape, HttpError, from_mesh, invalid
+from tokenmesh_gateway._fields import decode_body
 from tokenmesh_gateway._http import Receive, Scope, Send, header, read_body, respond, respond_error
-from tokenmesh_gateway._openai import Kind, decode_body, parse, stream_flags
-from tokenmesh_gateway._sse import response_id
+from tokenmesh_gateway._openai import Kind, parse, stream_flags
+from tokenmesh_gateway._sse import OpenAIAnswer, response_id
 from tokenmesh_gateway._stream import Answer, Exchanges
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._~:-]{1,128}")
@@ -86,19 +89,20 @@ class GatewayApp:
             return  # no websockets; the lifespan protocol is off
         counted = _Counted(send)
         label = "other"
+        shape: ErrorShape = OPENAI_ERRORS
         try:
             path: str = scope["path"]
             found = TABLE.find(path)
             if found is None:
                 raise HttpError(404, f"no route {path}; this gateway serves {TABLE.listing}", code="not_found")
             at, params = found
-            label = at.template
+            label, shape = at.template, at.errors
             route = at.methods.get(scope["method"])
             if route is None:
                 raise _MethodNotAllowed(scope["method"], at.allow)
             await route.endpoint(self, scope, receive, counted, params)
         except HttpError as error:
-            await respond_error(counted, error)
+            await respond_error(counted, error, shape)
         except ConnectionResetError:
             return  # the caller left before its request was read
         finally:
@@ -123,14 +127,66 @@ class GatewayApp:
             return
         parsed = parse(body, kind, self.config.default_model)
         request = parsed.request
+        prefix = self._identify(request, request_id, tenant)
+        answer = OpenAIAnswer(
+            kind, parsed.stream, parsed.include_usage, parsed.continuous_usage, request.model, int(time.time()), prefix
+        )
+        await self._answer(kind, request, answer, scope, receive, send)
+
+    async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """An Anthropic Messages request: the same generation, answered in Anthropic's format."""
+        tenant = self._tenant(scope)
+        self._refuse_if_draining()
+        body = decode_body(await read_body(scope, receive, self.config.max_body_bytes))
+        request_id = _request_id(scope)
+        last_event = header(scope, b"last-event-id")
+        if last_event is not None:
+            await self._resume_messages(body, last_event, request_id, tenant, scope, receive, send)
+            return
+        parsed = _anthropic.parse(body, self.config.default_model)
+        request = parsed.request
+        prefix = self._identify(request, request_id, tenant)
+        await self._answer("chat", request, MessagesAnswer(parsed.stream, request.model, prefix), scope, receive, send)
+
+    async def _resume_messages(
+        self,
+        body: dict[str, Any],
+        last_event: bytes,
+        request_id: str,
+        tenant: str,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """A repeated Messages POST with ``Last-Event-ID``: the rest of that stream, without its opening events."""
+        after_id, after = _last_event(last_event.decode("latin-1"), request_id)
+        if body.get("stream") is not True:
+            raise invalid("Last-Event-ID resumes a stream: send stream: true", "stream")
+        model = body.get("model")
+        model = model if isinstance(model, str) else ""
+        prefix = f"{tenant}/" if tenant else ""
+        answer = MessagesAnswer(True, model or self.config.default_model, prefix, after=after)
+        await self._replay("chat", after_id, after, answer, receive, send, model, scope)
+
+    @staticmethod
+    def _identify(request: inference_pb2.GenerateRequest, request_id: str, tenant: str) -> str:
+        """Set the request's id (the caller's, in its tenant's space) and tenant label; the ids' prefix."""
         prefix = f"{tenant}/" if tenant else ""
         if request_id:
             request.request_id = prefix + request_id
         if tenant:
             request.labels["tenant"] = tenant
-        answer = Answer(
-            kind, parsed.stream, parsed.include_usage, parsed.continuous_usage, request.model, int(time.time()), prefix
-        )
+        return prefix
+
+    async def _answer(
+        self,
+        kind: Kind,
+        request: inference_pb2.GenerateRequest,
+        answer: Answer,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
         span, metadata = self._span(scope, kind, request.model or "default")
         try:
             await self.exchanges.answer(
@@ -169,9 +225,23 @@ class GatewayApp:
     ) -> None:
         # A resumed stream's chunks may name no model: the caller's (a repeated POST), else the default.
         prefix = f"{tenant}/" if tenant else ""
-        answer = Answer(
+        answer = OpenAIAnswer(
             kind, True, include_usage, continuous_usage, model or self.config.default_model, int(time.time()), prefix
         )
+        await self._replay(kind, request_id, after, answer, receive, send, model, scope)
+
+    async def _replay(
+        self,
+        kind: Kind,
+        request_id: str,
+        after: int,
+        answer: Answer,
+        receive: Receive,
+        send: Send,
+        model: str,
+        scope: Scope | None,
+    ) -> None:
+        """Every chunk of request_id (in the answer's tenant's space) after seq ``after``, then live, as answer says."""
         span, metadata = (
             self._span(scope, kind, model or self.config.default_model or "default")
             if scope is not None
@@ -179,7 +249,9 @@ class GatewayApp:
         )
         try:
             await self.exchanges.answer(
-                lambda: self.client.resume(prefix + request_id, after, timeout=self._timeout(), metadata=metadata),
+                lambda: self.client.resume(
+                    answer.id_prefix + request_id, after, timeout=self._timeout(), metadata=metadata
+                ),
                 answer,
                 receive,
                 send,
@@ -279,7 +351,7 @@ class GatewayApp:
         """The caller's tenant ('' without keys); 401 without a valid key."""
         if self.keys is None:
             return ""
-        return tenant_of(self.keys, header(scope, b"authorization"))
+        return tenant_of(self.keys, header(scope, b"authorization"), header(scope, b"x-api-key"))
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
@@ -391,6 +463,8 @@ class Route:
     what: str
     """One line for the docs (Markdown)."""
     endpoint: Endpoint = field(repr=False, compare=False)
+    errors: ErrorShape = field(default=OPENAI_ERRORS, repr=False, compare=False)
+    """How its errors are written (OpenAI's, or Anthropic's on /v1/messages)."""
 
 
 ROUTES: tuple[Route, ...] = (
@@ -431,6 +505,13 @@ ROUTES: tuple[Route, ...] = (
         lambda app, scope, _, send, p: app._cancel("completion", p["id"], scope, send),
     ),
     Route(
+        "POST",
+        "/v1/messages",
+        "an Anthropic Messages generation, streamed (SSE with named events) or whole; errors in Anthropic's shape",
+        lambda app, scope, receive, send, _: app._messages(scope, receive, send),
+        ANTHROPIC_ERRORS,
+    ),
+    Route(
         "GET",
         "/v1/models",
         "the models the mesh serves now",
@@ -461,6 +542,8 @@ class RoutePath:
     methods: dict[str, Route]
     allow: str
     """The ``Allow`` header of a 405 here."""
+    errors: ErrorShape
+    """How errors on this path are written (its routes'; a 405 too)."""
 
 
 class RouteTable:
@@ -480,7 +563,7 @@ class RouteTable:
             methods[route.method] = route
         self.exact, self.templated = {}, []
         for template, methods in by_path.items():
-            at = RoutePath(template, methods, ", ".join(methods))
+            at = RoutePath(template, methods, ", ".join(methods), next(iter(methods.values())).errors)
             if "{" in template:
                 self.templated.append((_compile(template), at))
             else:

@@ -1,4 +1,6 @@
-"""Bearer API keys: a file of ``sha256hex tenant`` lines; the key's tenant labels the generation.
+"""API keys: a file of ``sha256hex tenant`` lines; the key's tenant labels the generation.
+
+A caller sends its key as ``Authorization: Bearer KEY`` (OpenAI's way) or ``x-api-key: KEY`` (Anthropic's).
 
 The file holds only hashes (``printf %s "$KEY" | sha256sum``), so reading
 it reveals no key. A key is looked up by the hash of what the caller sent.
@@ -47,16 +49,28 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def tenant_of(keys: dict[str, str], authorization: bytes | None) -> str:
-    """The tenant of the caller's ``Authorization: Bearer KEY``; 401 without a listed key."""
-    if authorization is None:
-        raise HttpError(401, "this gateway needs an API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
-    scheme, _, key = authorization.decode("latin-1").strip().partition(" ")
-    tenant = keys.get(hash_key(key.strip())) if scheme.lower() == "bearer" else None
+def tenant_of(keys: dict[str, str], authorization: bytes | None, api_key: bytes | None = None) -> str:
+    """The tenant of the caller's key; 401 without a listed key.
+
+    The key is ``x-api-key: KEY`` (Anthropic's header) when the caller sends
+    one, else ``Authorization: Bearer KEY``.
+    """
+    if api_key is not None:
+        tenant = keys.get(hash_key(api_key.decode("latin-1").strip()))
+    elif authorization is not None:
+        scheme, _, key = authorization.decode("latin-1").strip().partition(" ")
+        tenant = keys.get(hash_key(key.strip())) if scheme.lower() == "bearer" else None
+    else:
+        raise HttpError(
+            401,
+            "this gateway needs an API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+            code="invalid_api_key",
+        )
     if tenant is None:
         raise HttpError(
             401,
-            "the API key is not valid: send 'Authorization: Bearer KEY' with a key this gateway lists",
+            "the API key is not valid: send 'Authorization: Bearer KEY' or 'x-api-key: KEY' with a key this "
+            "gateway lists",
             code="invalid_api_key",
         )
     return tenant

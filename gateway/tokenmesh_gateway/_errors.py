@@ -7,12 +7,15 @@ the ``BadRequest`` field violation, ``code`` the ``ErrorInfo`` reason where
 OpenAI has a word for it (else the status code's name), and a retry hint
 (``RetryInfo``) becomes the ``Retry-After`` (seconds) and ``retry-after-ms``
 headers, which the ``openai`` SDK honours when it retries.
+
+An :class:`ErrorShape` writes the error as one API does: OpenAI's here,
+Anthropic's in ``_anthropic_sse``; each route says which.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -87,6 +90,33 @@ class HttpError(Exception):
             return []
         seconds = max(1, math.ceil(self.retry_after_ms / 1000))
         return [(b"retry-after", str(seconds).encode()), (b"retry-after-ms", str(self.retry_after_ms).encode())]
+
+
+class ErrorShape(Protocol):
+    """How one HTTP API writes an error: its status and its body (the retry headers are the same for all)."""
+
+    def status(self, error: HttpError) -> int:
+        """The HTTP status this API answers the error with."""
+        ...
+
+    def body(self, error: HttpError) -> bytes:
+        """The JSON body of the error."""
+        ...
+
+
+class OpenAIErrors:
+    """OpenAI's shape: the status as is, ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def status(self, error: HttpError) -> int:
+        """The error's own status."""
+        return error.status
+
+    def body(self, error: HttpError) -> bytes:
+        """``{"error": {...}}``."""
+        return error.body()
+
+
+OPENAI_ERRORS = OpenAIErrors()
 
 
 def invalid(message: str, param: str | None = None) -> HttpError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from tokenmesh_gateway._errors import HttpError
+from tokenmesh_gateway._errors import OPENAI_ERRORS, ErrorShape, HttpError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -19,6 +19,8 @@ Send = Callable[[Message], Awaitable[None]]
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 """Event streams are not cached, and nginx-style proxies must pass each event on at once."""
+KEEPALIVE = b": keep-alive\n"
+"""A lone SSE comment line: every SSE parser skips it (see ``_sse`` for why no blank line follows)."""
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -67,9 +69,9 @@ async def respond(send: Send, status: int, body: bytes, headers: list[tuple[byte
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def respond_error(send: Send, error: HttpError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    """The OpenAI error body with its status and retry hints."""
-    extra = error.headers() + (headers or [])
+async def respond_error(send: Send, error: HttpError, shape: ErrorShape = OPENAI_ERRORS) -> None:
+    """The error in the API's shape (OpenAI's by default), with its status and retry hints."""
+    extra = error.headers()
     if error.status == 413:
         extra.append((b"connection", b"close"))  # the rest of the body is never read
-    await respond(send, error.status, error.body(), extra)
+    await respond(send, shape.status(error), shape.body(error), extra)

@@ -14,18 +14,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import orjson
-
 from tokenmesh.v1 import inference_pb2
 from tokenmesh_gateway._errors import invalid
+from tokenmesh_gateway._fields import (
+    UINT32_MAX,
+    UINT64_MAX,
+    boolean,
+    integer,
+    is_neutral,
+    number,
+    short,
+    string,
+    type_name,
+)
 
 Kind = Literal["chat", "completion"]
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 """Chat roles accepted, and the mesh's role for each (OpenAI's "developer" is a system message)."""
-
-UINT32_MAX = 2**32 - 1
-UINT64_MAX = 2**64 - 1
 
 # field -> values that ask for nothing the mesh cannot do
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -74,29 +80,14 @@ class Parsed:
     """stream_options.continuous_usage_stats (with include_usage): the usage so far on every chunk."""
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
-    """The JSON object in body; 400 for bytes that are not UTF-8, not JSON or not an object."""
-    try:
-        body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise invalid(f"the request body is not UTF-8 (byte {exc.start}): send JSON encoded as UTF-8") from None
-    try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise invalid(f"the request body must be a JSON object, got {_type_name(value)}")
-    return value
-
-
 def parse(body: dict[str, Any], kind: Kind, default_model: str = "") -> Parsed:
     """Check body (a decoded Chat Completions or Completions request) and build the mesh's request."""
     _refuse_unsupported(body)
-    request = inference_pb2.GenerateRequest(model=_string(body, "model") or default_model)
+    request = inference_pb2.GenerateRequest(model=string(body, "model") or default_model)
     _input(body, kind, request)
     _limits(body, request)
     _sampling(body, request)
-    stream = _boolean(body, "stream")
+    stream = boolean(body, "stream")
     include_usage, continuous = _stream_options(body, stream)
     return Parsed(kind, request, stream, include_usage, continuous)
 
@@ -104,8 +95,8 @@ def parse(body: dict[str, Any], kind: Kind, default_model: str = "") -> Parsed:
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     """400 for a field that would change the answer in a way the mesh cannot honour."""
     for name, neutral in _NEUTRAL.items():
-        if name in body and not _is_neutral(body[name], neutral):
-            raise invalid(f"{name} is not supported by tokenmesh (got {_short(body[name])}); leave it out", name)
+        if name in body and not is_neutral(body[name], neutral):
+            raise invalid(f"{name} is not supported by tokenmesh (got {short(body[name])}); leave it out", name)
 
 
 def _input(body: dict[str, Any], kind: Kind, request: inference_pb2.GenerateRequest) -> None:
@@ -122,9 +113,9 @@ def _input(body: dict[str, Any], kind: Kind, request: inference_pb2.GenerateRequ
 
 def _limits(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> None:
     """max_completion_tokens (or the older max_tokens), within its range."""
-    max_tokens = _integer(body, "max_completion_tokens")
+    max_tokens = integer(body, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens")
+        max_tokens = integer(body, "max_tokens")
         limit_name = "max_tokens"
     else:
         limit_name = "max_completion_tokens"
@@ -139,17 +130,17 @@ def _limits(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> Non
 def _sampling(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> None:
     """The sampling fields (temperature, top_p, seed), stop strings and ignore_eos; and the user label."""
     for name in ("temperature", "top_p"):
-        number = _number(body, name)
-        if number is not None:
-            setattr(request, name, number)
-    seed = _integer(body, "seed")
+        value = number(body, name)
+        if value is not None:
+            setattr(request, name, value)
+    seed = integer(body, "seed")
     if seed is not None:
         if not 0 <= seed <= UINT64_MAX:
             raise invalid(f"seed must be 0..{UINT64_MAX}, got {seed}", "seed")
         request.seed = seed
     request.stop.extend(_stop(body))
-    request.ignore_eos = _boolean(body, "ignore_eos")
-    user = _string(body, "user")
+    request.ignore_eos = boolean(body, "ignore_eos")
+    user = string(body, "user")
     if user:
         request.labels["user"] = user
 
@@ -160,11 +151,11 @@ def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
     if options is None:
         return False, False
     if not isinstance(options, dict):
-        raise invalid(f"stream_options must be an object, got {_type_name(options)}", "stream_options")
+        raise invalid(f"stream_options must be an object, got {type_name(options)}", "stream_options")
     if not stream:
         raise invalid("stream_options can only be set with stream: true", "stream_options")
-    include_usage = _boolean(options, "include_usage", "stream_options.")
-    return include_usage, _boolean(options, "continuous_usage_stats", "stream_options.") and include_usage
+    include_usage = boolean(options, "include_usage", "stream_options.")
+    return include_usage, boolean(options, "continuous_usage_stats", "stream_options.") and include_usage
 
 
 def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -172,23 +163,23 @@ def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     options = body.get("stream_options")
     if not isinstance(options, dict):
         return False, False
-    include = _boolean(options, "include_usage", "stream_options.")
-    return include, include and _boolean(options, "continuous_usage_stats", "stream_options.")
+    include = boolean(options, "include_usage", "stream_options.")
+    return include, include and boolean(options, "continuous_usage_stats", "stream_options.")
 
 
 def _messages(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list):
-        raise invalid(f"messages must be a list of {{role, content}} objects, got {_type_name(messages)}", "messages")
+        raise invalid(f"messages must be a list of {{role, content}} objects, got {type_name(messages)}", "messages")
     if not messages:
         raise invalid("messages is empty: send at least one {role, content}", "messages")
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise invalid(f"{where} must be an object with role and content, got {_type_name(message)}", where)
+            raise invalid(f"{where} must be an object with role and content, got {type_name(message)}", where)
         role = message.get("role")
         if role not in ROLES:
-            raise invalid(f"{where}.role is {_short(role)}; use system, user or assistant", f"{where}.role")
+            raise invalid(f"{where}.role is {short(role)}; use system, user or assistant", f"{where}.role")
         request.messages.add(role=ROLES[role], content=_content(message.get("content"), f"{where}.content"))
 
 
@@ -200,15 +191,15 @@ def _content(content: Any, where: str) -> str:
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+                kind = part.get("type") if isinstance(part, dict) else type_name(part)
                 raise invalid(
                     f'{where}[{j}] must be {{"type": "text", "text": "..."}}; tokenmesh takes '
-                    f"text only (got {_short(kind)})",
+                    f"text only (got {short(kind)})",
                     f"{where}[{j}]",
                 )
             texts.append(part["text"])
         return "".join(texts)
-    raise invalid(f"{where} must be a string or a list of text parts, got {_type_name(content)}", where)
+    raise invalid(f"{where} must be a string or a list of text parts, got {type_name(content)}", where)
 
 
 def _prompt(body: dict[str, Any]) -> str:
@@ -222,7 +213,7 @@ def _prompt(body: dict[str, Any]) -> str:
             )
         prompt = prompt[0]
     if not isinstance(prompt, str):
-        raise invalid(f"prompt must be a string, got {_type_name(prompt)}", "prompt")
+        raise invalid(f"prompt must be a string, got {type_name(prompt)}", "prompt")
     if not prompt:
         raise invalid("prompt is empty", "prompt")
     return prompt
@@ -236,73 +227,4 @@ def _stop(body: dict[str, Any]) -> list[str]:
         return [stop] if stop else []
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return [s for s in stop if s]
-    raise invalid(f"stop must be a string, a list of strings or null, got {_type_name(stop)}", "stop")
-
-
-def _string(body: dict[str, Any], name: str) -> str:
-    value = body.get(name)
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise invalid(f"{name} must be a string, got {_type_name(value)}", name)
-    return value
-
-
-def _integer(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"{name} must be an integer, got {_short(value)}", name)
-    return value
-
-
-def _number(body: dict[str, Any], name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise invalid(f"{name} must be a number, got {_short(value)}", name)
-    return float(value)
-
-
-def _boolean(body: dict[str, Any], name: str, prefix: str = "") -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise invalid(f"{prefix}{name} must be true or false, got {_short(value)}", f"{prefix}{name}")
-    return value
-
-
-def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
-    """Whether value is one of the neutral values: numbers compare as numbers, but a bool is never a number."""
-    if value is None:
-        return True
-    for candidate in neutral:
-        if isinstance(candidate, bool) or isinstance(value, bool):
-            if value is candidate:
-                return True
-        elif isinstance(candidate, int | float) and isinstance(value, int | float):
-            if value == candidate:
-                return True
-        elif type(value) is type(candidate) and value == candidate:
-            return True
-    return False
-
-
-def _type_name(value: Any) -> str:
-    return {
-        dict: "an object",
-        list: "a list",
-        str: "a string",
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        type(None): "null",
-    }.get(type(value), type(value).__name__)
-
-
-def _short(value: Any) -> str:
-    text = orjson.dumps(value).decode() if value is not None else "null"
-    return text if len(text) <= 60 else text[:57] + "..."
+    raise invalid(f"stop must be a string, a list of strings or null, got {type_name(stop)}", "stop")

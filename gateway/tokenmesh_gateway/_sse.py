@@ -22,16 +22,16 @@ nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from tokenmesh.v1 import inference_pb2
-from tokenmesh_gateway._errors import HttpError
+from tokenmesh_gateway._errors import OPENAI_ERRORS, ErrorShape, HttpError
 from tokenmesh_gateway._openai import Kind
 
 DONE = b"data: [DONE]\n\n"
-KEEPALIVE = b": keep-alive\n"
 
 FINISH_REASONS: dict[int, str] = {
     inference_pb2.FINISH_REASON_STOP: "stop",
@@ -56,6 +56,51 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIAnswer:
+    """How to answer one chat or completion request (``_stream.Answer`` in OpenAI's format)."""
+
+    kind: Kind
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    model: str
+    """The model to name when the mesh's chunks name none."""
+    created: int
+    """The response's ``created``."""
+    id_prefix: str = ""
+    """What the mesh's request ids carry in front of the caller's (its tenant); the caller never sees it."""
+    errors: ErrorShape = OPENAI_ERRORS
+
+    def encoder(self, request_id: str, model: str) -> Encoder:
+        """The SSE events of the response."""
+        return Encoder(
+            self.kind,
+            request_id,
+            self.created,
+            model or self.model,
+            include_usage=self.include_usage,
+            continuous_usage=self.continuous_usage,
+        )
+
+    def whole(self, request_id: str, text: str, last: inference_pb2.GenerateChunk) -> bytes:
+        """The ``chat.completion`` or ``text_completion`` body."""
+        return completion_body(
+            self.kind,
+            request_id,
+            self.created,
+            last.model or self.model,
+            text,
+            last.finish_reason,
+            last.usage.prompt_tokens,
+            last.usage.completion_tokens,
+        )
+
+    def error_event(self, error: HttpError) -> bytes:
+        """``data: {"error": {...}}``, then ``[DONE]``."""
+        return error_event(error)
 
 
 class Encoder:
@@ -149,6 +194,10 @@ class Encoder:
             )
             return event + b"\n" + self._id(chunk.seq) + last + b"\n"
         return self._id(chunk.seq) + event + b"\n"
+
+    def last(self, chunk: inference_pb2.GenerateChunk) -> bytes:
+        """The final chunk's events, then ``[DONE]``."""
+        return self.chunk(chunk) + DONE
 
     def _id(self, seq: int) -> bytes:
         return self._id_line + str(seq).encode() + b"\n"

@@ -2,8 +2,10 @@
 
 The HTTP status waits for the mesh's first chunk, so a request the router
 refuses (bad input, unknown model, queue full, no worker) is a real 4xx/5xx
-with the OpenAI error body; an error after the first chunk is an error event
-and the end of the stream.
+with the API's error body; an error after the first chunk is an error event
+and the end of the stream. What the bytes look like is the :class:`Answer`'s
+(OpenAI's format in ``_sse``, Anthropic's in ``_anthropic_sse``): this module
+only runs the exchange.
 
 Each exchange has one watcher task beside the request's own: it reads the
 ASGI receive channel, so a caller that goes away is noticed at once, also
@@ -21,38 +23,64 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from typing import Protocol
 
 from tokenmesh.errors import MeshError
 from tokenmesh.v1 import inference_pb2
-from tokenmesh_gateway._errors import DEFAULT_RETRY_AFTER_MS, HttpError, from_mesh
-from tokenmesh_gateway._http import SSE_HEADERS, Receive, Send, respond, respond_error
-from tokenmesh_gateway._openai import Kind
-from tokenmesh_gateway._sse import DONE, KEEPALIVE, Encoder, completion_body, error_event
+from tokenmesh_gateway._errors import DEFAULT_RETRY_AFTER_MS, ErrorShape, HttpError, from_mesh
+from tokenmesh_gateway._http import KEEPALIVE, SSE_HEADERS, Receive, Send, respond, respond_error
 
 log = logging.getLogger(__name__)
 
 Chunks = AsyncGenerator[inference_pb2.GenerateChunk, None]
 
 
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """How to answer one request."""
+class StreamEncoder(Protocol):
+    """The SSE events of one streamed response, in one API's format."""
 
-    kind: Kind
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    model: str
-    """The model to name when the mesh's chunks name none."""
-    created: int
-    """The response's ``created``."""
-    id_prefix: str = ""
-    """What the mesh's request ids carry in front of the caller's (its tenant); the caller never sees it."""
+    def chunk(self, chunk: inference_pb2.GenerateChunk) -> bytes:
+        """The events of a chunk that is not the last (the first one opens the stream)."""
+        ...
 
-    def visible_id(self, chunk: inference_pb2.GenerateChunk) -> str:
-        """The request id as the caller knows it."""
-        return chunk.request_id.removeprefix(self.id_prefix)
+    def last(self, chunk: inference_pb2.GenerateChunk) -> bytes:
+        """The events of the final chunk, up to the end of the stream."""
+        ...
+
+
+class Answer(Protocol):
+    """How to answer one request, in one API's format (OpenAI's in ``_sse``, Anthropic's in ``_anthropic_sse``)."""
+
+    @property
+    def stream(self) -> bool:
+        """Server-Sent Events; else one body."""
+        ...
+
+    @property
+    def id_prefix(self) -> str:
+        """What the mesh's request ids carry in front of the caller's (its tenant); the caller never sees it."""
+        ...
+
+    @property
+    def errors(self) -> ErrorShape:
+        """How this API writes an error response."""
+        ...
+
+    def encoder(self, request_id: str, model: str) -> StreamEncoder:
+        """The events of the stream of request_id; model is the first chunk's (may be empty)."""
+        ...
+
+    def whole(self, request_id: str, text: str, last: inference_pb2.GenerateChunk) -> bytes:
+        """The non-streamed body of a generation that ended as last says; HttpError if that is no answer."""
+        ...
+
+    def error_event(self, error: HttpError) -> bytes:
+        """An error after the stream began, up to the end of the stream."""
+        ...
+
+
+def visible_id(answer: Answer, chunk: inference_pb2.GenerateChunk) -> str:
+    """The request id as the caller knows it."""
+    return chunk.request_id.removeprefix(answer.id_prefix)
 
 
 class Exchange:
@@ -123,12 +151,14 @@ class Exchanges:
                     first = await anext(chunks)
                 except MeshError as error:
                     exchange.finishing()
-                    await respond_error(send, from_mesh(error))
+                    await respond_error(send, from_mesh(error), answer.errors)
                     return
                 except StopAsyncIteration:
                     exchange.finishing()
                     await respond_error(
-                        send, HttpError(502, "the mesh ended the stream before its first chunk", code="internal")
+                        send,
+                        HttpError(502, "the mesh ended the stream before its first chunk", code="internal"),
+                        answer.errors,
                     )
                     return
                 if answer.stream:
@@ -139,7 +169,7 @@ class Exchanges:
             if not (exchange.disconnected or exchange.stopping) or task.uncancel() > 0:
                 raise
             if exchange.stopping and not exchange.disconnected:
-                await self._stopped(exchange, send)
+                await self._stopped(exchange, answer, send)
         except Exception:
             # A fault of ours (or of a library): this caller gets a 500, every other stream goes on.
             log.exception("gateway: exchange failed")
@@ -147,9 +177,9 @@ class Exchanges:
             failed = HttpError(500, "the gateway failed on this request; see its log", code="internal")
             with contextlib.suppress(Exception):
                 if exchange.started:
-                    await send({"type": "http.response.body", "body": error_event(failed), "more_body": False})
+                    await send({"type": "http.response.body", "body": answer.error_event(failed), "more_body": False})
                 else:
-                    await respond_error(send, failed)
+                    await respond_error(send, failed, answer.errors)
         finally:
             if exchange.watcher is not None:
                 exchange.watcher.cancel()
@@ -160,15 +190,8 @@ class Exchanges:
     async def _stream(
         self, exchange: Exchange, first: inference_pb2.GenerateChunk, chunks: Chunks, answer: Answer, send: Send
     ) -> None:
-        request_id = answer.visible_id(first)
-        encoder = Encoder(
-            answer.kind,
-            request_id,
-            answer.created,
-            first.model or answer.model,
-            include_usage=answer.include_usage,
-            continuous_usage=answer.continuous_usage,
-        )
+        request_id = visible_id(answer, first)
+        encoder = answer.encoder(request_id, first.model)
         await send(
             {
                 "type": "http.response.start",
@@ -192,14 +215,14 @@ class Exchanges:
                 error = HttpError(500, f"generation {request_id} failed", code="internal")
             elif chunk.finish_reason:
                 exchange.finishing()
-                await send({"type": "http.response.body", "body": encoder.chunk(chunk) + DONE, "more_body": False})
+                await send({"type": "http.response.body", "body": encoder.last(chunk), "more_body": False})
                 return
             else:
                 error = HttpError(502, "the mesh ended the stream without its final chunk", code="internal")
         except MeshError as exc:
             error = from_mesh(exc)
         exchange.finishing()
-        await send({"type": "http.response.body", "body": error_event(error), "more_body": False})
+        await send({"type": "http.response.body", "body": answer.error_event(error), "more_body": False})
 
     @staticmethod
     async def _collect(
@@ -216,23 +239,17 @@ class Exchanges:
                         break
         except MeshError as error:
             exchange.finishing()
-            await respond_error(send, from_mesh(error))
+            await respond_error(send, from_mesh(error), answer.errors)
             return
         exchange.finishing()
-        request_id = answer.visible_id(first)
-        if last.finish_reason in (inference_pb2.FINISH_REASON_UNSPECIFIED, inference_pb2.FINISH_REASON_ERROR):
-            await respond_error(send, HttpError(500, f"generation {request_id} failed", code="internal"))
+        request_id = visible_id(answer, first)
+        try:
+            if last.finish_reason in (inference_pb2.FINISH_REASON_UNSPECIFIED, inference_pb2.FINISH_REASON_ERROR):
+                raise HttpError(500, f"generation {request_id} failed", code="internal")
+            body = answer.whole(request_id, "".join(texts), last)
+        except HttpError as error:
+            await respond_error(send, error, answer.errors)
             return
-        body = completion_body(
-            answer.kind,
-            request_id,
-            answer.created,
-            last.model or answer.model,
-            "".join(texts),
-            last.finish_reason,
-            last.usage.prompt_tokens,
-            last.usage.completion_tokens,
-        )
         await respond(send, 200, body, [(b"x-request-id", request_id.encode())])
 
     async def _watch(self, exchange: Exchange, receive: Receive, send: Send) -> None:
@@ -257,7 +274,7 @@ class Exchanges:
                 return
 
     @staticmethod
-    async def _stopped(exchange: Exchange, send: Send) -> None:
+    async def _stopped(exchange: Exchange, answer: Answer, send: Send) -> None:
         """What a caller whose exchange the gateway's stop ended gets."""
         error = HttpError(
             503,
@@ -267,9 +284,9 @@ class Exchanges:
             retry_after_ms=DEFAULT_RETRY_AFTER_MS,
         )
         if exchange.started:
-            await send({"type": "http.response.body", "body": error_event(error), "more_body": False})
+            await send({"type": "http.response.body", "body": answer.error_event(error), "more_body": False})
         else:
-            await respond_error(send, error)
+            await respond_error(send, error, answer.errors)
 
     async def drain(self, grace_s: float, tail_s: float) -> None:
         """Wait up to grace_s for the exchanges in flight to end, then end the rest, giving them tail_s."""

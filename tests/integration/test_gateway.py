@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import grpc
 import httpx
 import openai
@@ -92,6 +93,25 @@ def test_the_openai_sdk_streams_paris_through_the_gateway(mesh: MeshHandle) -> N
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model="smollm2", prompt="hi", max_tokens=10**6)
     assert too_long.value.param == "max_tokens"
+
+
+def test_the_anthropic_sdk_streams_paris_with_usage_through_the_gateway(mesh: MeshHandle) -> None:
+    client = anthropic.Anthropic(base_url=url_of(mesh).removesuffix("/v1"), api_key="x", max_retries=0)
+    question = [{"role": "user", "content": FRANCE}]
+    with client.messages.stream(
+        model="smollm2", max_tokens=48, messages=question, extra_body={"temperature": 0}
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert "Paris" in text
+    assert [(block.type, getattr(block, "text", None)) for block in final.content] == [("text", text)]
+    assert final.stop_reason == "end_turn" and final.stop_sequence is None
+    assert final.usage.input_tokens > 0 and final.usage.output_tokens > 0
+
+    whole = client.messages.create(model="smollm2", max_tokens=48, messages=question, extra_body={"temperature": 0})
+    assert [block.type for block in whole.content] == ["text"] and "Paris" in getattr(whole.content[0], "text", "")
+    assert whole.stop_reason == "end_turn" and whole.id.startswith("msg_")
+    assert whole.usage.input_tokens == final.usage.input_tokens and whole.usage.output_tokens > 0  # the same prompt
 
 
 def test_a_dropped_resumable_stream_continues_with_last_event_id(mesh: MeshHandle) -> None:
