@@ -23,26 +23,26 @@ ROOT = Path(__file__).resolve().parent.parent
 BUF = ROOT / "node_modules" / ".bin" / "buf"
 
 
-def git(*args: str) -> str:
-    """Run git in the repository; its stdout, stripped ("" when it fails)."""
-    done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False)
+def git(root: Path, *args: str) -> str:
+    """Run git in the repository at root; its stdout, stripped ("" when it fails)."""
+    done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=False)
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-def base_commit() -> tuple[str, str]:
+def base_commit(root: Path = ROOT) -> tuple[str, str]:
     """The commit to compare against and why it was chosen; ("", reason) when there is none."""
-    head = git("rev-parse", "--verify", "-q", "HEAD")
+    head = git(root, "rev-parse", "--verify", "-q", "HEAD")
     if not head:
         return "", "no commit yet"
     for main in ("origin/main", "main"):
-        tip = git("rev-parse", "--verify", "-q", f"{main}^{{commit}}")
+        tip = git(root, "rev-parse", "--verify", "-q", f"{main}^{{commit}}")
         if tip and tip != head:
-            merge_base = git("merge-base", "HEAD", main)
+            merge_base = git(root, "merge-base", "HEAD", main)
             if merge_base and merge_base != head:
                 return merge_base, f"merge base of HEAD and {main}"
             if merge_base:
-                break  # HEAD is an ancestor of main (or main itself): judge HEAD's own commit, as on main.
-    parent = git("rev-parse", "--verify", "-q", "HEAD~1")
+                break  # HEAD is an ancestor of main: judge HEAD's own commit, as on main.
+    parent = git(root, "rev-parse", "--verify", "-q", "HEAD~1")
     if not parent:
         return "", "HEAD has no parent (first commit, or a shallow clone)"
     return parent, "HEAD~1"
@@ -50,7 +50,7 @@ def base_commit() -> tuple[str, str]:
 
 def export_protos(commit: str, dest: Path) -> bool:
     """Write commit's protos/ under dest; False when that commit has none."""
-    paths = git("ls-tree", "-r", "--name-only", commit, "--", "protos").splitlines()
+    paths = git(ROOT, "ls-tree", "-r", "--name-only", commit, "--", "protos").splitlines()
     for path in paths:
         blob = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{path}"], capture_output=True, check=True)
         (dest / path).parent.mkdir(parents=True, exist_ok=True)
