@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import google.rpc.status_pb2
 import pytest
 
 from tokenmesh.worker.triton import synthetic_repository
@@ -28,6 +29,8 @@ STREAMS = 24
 TOKENS = 40
 TOKENS_PER_S = 500
 """The synthetic model's rate: a 400-token generation runs ~0.8 s, long enough to drop or cancel it mid-stream."""
+GOOGLEAPIS = Path(google.rpc.status_pb2.__file__).parents[2]
+"""googleapis-common-protos' folder, which holds google/rpc/*.proto: the caller decodes errors' details with it."""
 
 
 def node(handle: MeshHandle, scenario: str, **options: Any) -> Any:
@@ -114,17 +117,37 @@ def test_cancel_ends_the_stream_and_frees_the_workers(synthetic_mesh: MeshHandle
     assert busy == 0
 
 
-def test_refusals_are_grpc_statuses_with_their_messages(synthetic_mesh: MeshHandle) -> None:
-    seen = node(synthetic_mesh, "errors")
+def error_info(seen: dict[str, Any]) -> dict[str, Any]:
+    """The google.rpc.ErrorInfo of a refusal as the Node.js caller decoded it, less its type."""
+    [info] = [d for d in seen["status_details"] if d["type"] == "google.rpc.ErrorInfo"]
+    return {k: v for k, v in info.items() if k != "type"}
 
-    assert seen["prompt_and_messages"] == {
-        "code": "INVALID_ARGUMENT",
-        "details": "set either prompt or messages, not both",
+
+def fields_at_fault(seen: dict[str, Any]) -> list[str]:
+    """The fields a refusal's google.rpc.BadRequest names."""
+    bad = [d for d in seen["status_details"] if d["type"] == "google.rpc.BadRequest"]
+    return [v["field"] for d in bad for v in d["field_violations"]]
+
+
+def test_refusals_are_grpc_statuses_with_their_messages_and_details(synthetic_mesh: MeshHandle) -> None:
+    seen = node(synthetic_mesh, "errors", googleapis=str(GOOGLEAPIS))
+
+    both = seen["prompt_and_messages"]
+    assert (both["code"], both["details"]) == ("INVALID_ARGUMENT", "set either prompt or messages, not both")
+    assert error_info(both) == {"reason": "INVALID_ARGUMENT", "domain": "tokenmesh", "metadata": {}}
+    assert fields_at_fault(both) == ["prompt"]
+    negative = seen["negative_temperature"]
+    assert (negative["code"], negative["details"]) == ("INVALID_ARGUMENT", "temperature must be >= 0, got -1.0")
+    assert fields_at_fault(negative) == ["temperature"]
+    unknown = seen["unknown_model"]
+    assert (unknown["code"], unknown["details"]) == ("NOT_FOUND", "unknown model 'no-such-model'; available: synthetic")
+    assert error_info(unknown) == {
+        "reason": "UNKNOWN_MODEL",
+        "domain": "tokenmesh",
+        "metadata": {"model": "no-such-model", "available": "synthetic"},
     }
-    assert seen["negative_temperature"]["code"] == "INVALID_ARGUMENT"
-    assert "temperature must be >= 0" in seen["negative_temperature"]["details"]
-    assert seen["unknown_model"]["code"] == "NOT_FOUND"
-    assert "unknown model 'no-such-model'" in seen["unknown_model"]["details"]
-    assert "synthetic" in seen["unknown_model"]["details"]
-    assert seen["resume_unknown"]["code"] == "NOT_FOUND"
-    assert seen["cancel_unknown"]["code"] == "NOT_FOUND"
+    assert fields_at_fault(unknown) == ["model"]
+    for call in ("resume_unknown", "cancel_unknown"):
+        assert seen[call]["code"] == "NOT_FOUND"
+        assert "'node-no-such-id'" in seen[call]["details"]
+        assert error_info(seen[call])["reason"] == "NOT_FOUND"

@@ -4,8 +4,10 @@
 //
 //   node tests/support/node/caller.js <scenario> <router host:port> [json options]
 //
-// It prints one JSON object: what the caller saw (chunks, codes, messages), never a verdict, so the expectations
-// live in the Python test. Scenarios: generate, resume, cancel, errors.
+// It prints one JSON object: what the caller saw (chunks, codes, messages, error details), never a verdict, so the
+// expectations live in the Python test. Scenarios: generate, resume, cancel, errors. Options may name
+// `googleapis`, a folder holding google/rpc/*.proto (googleapis-common-protos): errors' google.rpc details are then
+// decoded from the grpc-status-details-bin trailer, as any caller reads the facts of an error.
 "use strict";
 
 const path = require("node:path");
@@ -32,8 +34,27 @@ function summary(chunk) {
   return { seq, text, token_count, finish_reason, usage, model };
 }
 
+// Set by main when options name the googleapis folder: decodes google.rpc.Status and the details it packs.
+let rpcTypes = null;
+
+function loadRpcTypes(googleapis) {
+  const files = ["google/rpc/status.proto", "google/rpc/error_details.proto"];
+  return protoLoader.loadSync(files, { ...LOAD_OPTIONS, includeDirs: [googleapis] });
+}
+
+// The details of an error status, each as { type: "google.rpc.ErrorInfo", ...its fields }.
+function statusDetails(error) {
+  const [bytes] = error.metadata ? error.metadata.get("grpc-status-details-bin") : [];
+  if (!rpcTypes || !bytes) return [];
+  const status = rpcTypes["google.rpc.Status"].deserialize(bytes);
+  return status.details.map(({ type_url, value }) => {
+    const type = type_url.slice(type_url.lastIndexOf("/") + 1);
+    return { type, ...rpcTypes[type].deserialize(value) };
+  });
+}
+
 function failure(error) {
-  return { code: grpc.status[error.code], details: error.details };
+  return { code: grpc.status[error.code], details: error.details, status_details: statusDetails(error) };
 }
 
 // Reads a server stream to its end: its chunks, and its status when it ended with an error.
@@ -116,9 +137,11 @@ async function main() {
   if (!SCENARIOS[scenario] || !address) {
     throw new Error(`usage: caller.js <${Object.keys(SCENARIOS).join("|")}> <host:port> [json options]`);
   }
+  const { googleapis, ...settings } = JSON.parse(options);
+  if (googleapis) rpcTypes = loadRpcTypes(googleapis);
   const client = inferenceClient(address);
   try {
-    const result = await SCENARIOS[scenario](client, JSON.parse(options));
+    const result = await SCENARIOS[scenario](client, settings);
     process.stdout.write(`${JSON.stringify(result)}\n`);
   } finally {
     client.close();
