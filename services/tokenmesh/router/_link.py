@@ -26,11 +26,14 @@ from collections import deque
 from typing import Any
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from tokenmesh.errors import label, rpc_error
 from tokenmesh.links import Link
 from tokenmesh.retry import Reconnect
 from tokenmesh.router._outcome import WorkerFailed
+from tokenmesh.tracing import from_mapping, inject
 from tokenmesh.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,8 @@ CHUNK_OVERHEAD = 16
 """Credit a chunk costs beyond its text's bytes (as the worker counts it)."""
 LINK = "worker link"
 """The name of the per-peer task that holds a worker's link session."""
+STREAM_SPAN = "worker link stream"
+"""The client span of a traced attempt on a link (what a Worker/Generate call's RPC span is on the other path)."""
 
 Item = worker_pb2.WorkerEvent | BaseException
 """What an attempt's mailbox holds: the worker's events, then the error that ends the attempt, if any."""
@@ -57,9 +62,11 @@ class Attempt:
 
     """
 
-    __slots__ = ("_closed", "_ended", "_mailbox", "_owed", "_session", "_waiter", "stream")
+    __slots__ = ("_closed", "_ended", "_mailbox", "_owed", "_session", "_waiter", "span", "stream")
 
     stream: int
+    span: trace.Span | None
+    """A traced attempt's client span (the worker's generation span is its child); ended when the attempt is."""
     _session: LinkSession
     _mailbox: deque[Item]
     _waiter: asyncio.Future[None] | None
@@ -78,6 +85,28 @@ class Attempt:
         self._owed = 0
         self._ended = False
         self._closed = False
+        self.span = None
+
+    def trace(self, tracer: trace.Tracer, parent: dict[str, str], address: str) -> dict[str, str]:
+        """Open the attempt's span under parent (the generation's); return the context its start command carries.
+
+        A link carries no per-generation metadata, so there is no RPC span per attempt: this span stands in for
+        the one a Worker/Generate call would get, and the worker's generation span is its child.
+        """
+        host, _, port = address.rpartition(":")
+        attributes: dict[str, str | int] = {
+            "rpc.system": "grpc",  # a part of the Link call, as the RPC spans say it (not a generation span)
+            "rpc.service": "tokenmesh.v1.Worker",
+            "rpc.method": "Link",
+            "server.address": host,
+            "tokenmesh.link.stream": self.stream,
+        }
+        if port.isdigit():
+            attributes["server.port"] = int(port)
+        self.span = tracer.start_span(
+            STREAM_SPAN, from_mapping(parent), kind=trace.SpanKind.CLIENT, attributes=attributes
+        )
+        return inject(self.span)
 
     # -- fed by the session's reader (never awaits) --
 
@@ -85,12 +114,16 @@ class Attempt:
         """An event (or the error that ends the attempt) for the consumer; wake it if it waits."""
         self._mailbox.append(item)
         self._ended = self._ended or last
+        if self.span is not None and isinstance(item, BaseException):
+            self.span.set_status(Status(StatusCode.ERROR, str(item)))
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     def end(self, end: worker_pb2.LinkEnd) -> None:
         """The worker ended the stream: its end or error event, or the status its own call would have ended with."""
         self.put(end.event if end.HasField("event") else rpc_error(end.status), last=True)
+        if self.span is not None and end.event.HasField("error"):
+            self.span.set_status(Status(StatusCode.ERROR, end.event.error.message))
 
     # -- the consumer's side (Relay.run) --
 
@@ -130,6 +163,8 @@ class Attempt:
         if self._closed:
             return False
         self._closed = True
+        if self.span is not None:
+            self.span.end()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.cancel()
         if not self._ended:
@@ -286,6 +321,9 @@ class LinkSessions:
     """
 
     sessions: dict[str, LinkSession]
+    tracer: trace.Tracer | None
+    """Opens the stream spans of traced attempts (None: tracing is off, or the Worker service's RPCs get no spans:
+    the generation's context goes in the start command as it is)."""
     modes: dict[str, str]
     """Per worker: "batched" (a Link is open), "per-generation" (it answered UNIMPLEMENTED); absent: not known yet."""
     _serving: set[asyncio.Task[None]]
@@ -293,6 +331,7 @@ class LinkSessions:
 
     def __init__(self) -> None:
         self.sessions = {}
+        self.tracer = None
         self.modes = {}
         self._serving = set()
 

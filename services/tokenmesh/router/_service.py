@@ -34,7 +34,7 @@ from tokenmesh.router._pool import WorkerPool
 from tokenmesh.router._tables import check_table
 from tokenmesh.server import WORKER_CHANNEL_OPTIONS, ServiceHost, write_ready_file
 from tokenmesh.tls import Tls
-from tokenmesh.tracing import Tracing
+from tokenmesh.tracing import Tracing, rpc_spans_for
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -203,6 +203,8 @@ class Router(Service):
         self.metrics.watch(self.pool, self.admission)
         self.inference = InferenceServicer(config, self.pool, self.links, self.admission, self.metrics)
         self.inference.tracer = self.tracing.tracer
+        if self.tracing.on and rpc_spans_for(worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name):
+            self.inference.sessions.tracer = self.tracing.tracer  # a span per link stream, as per Generate call
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterServicer(self.pool, self.admission, self._link_mode), host.server
