@@ -372,7 +372,8 @@ class LinkSessions:
         """Open the worker's Link and serve it until it breaks (raising how).
 
         When this task is cancelled (the worker dropped, its channel renewed, the router stopping), the session
-        takes no new attempts but keeps serving the ones on it until they end (or its channel is closed).
+        takes no new attempts but keeps serving the ones on it: the task ends once they have ended and the call is
+        closed (or its channel was), so a renewal closes the old channel only then.
         """
         call = link.stub(worker_pb2_grpc.WorkerStub).Link()
         try:
@@ -395,12 +396,18 @@ class LinkSessions:
             task = asyncio.current_task()
             if task is not None and not task.cancelling():  # the call was cancelled under it, not this task
                 raise ConnectionError("the link's call was cancelled") from None
+            self._retire(link.address, session)
+            await asyncio.wait({serving})  # drain: no new starts, the streams on it finish, then its call closes
             raise
         finally:
-            if self.sessions.get(link.address) is session:
-                del self.sessions[link.address]
-                self.modes.pop(link.address, None)  # not known again until the next session opens
-            session.retire()
+            self._retire(link.address, session)
+
+    def _retire(self, address: str, session: LinkSession) -> None:
+        """The session takes no new attempts (the ones on it run to their end, then it closes its call)."""
+        if self.sessions.get(address) is session:
+            del self.sessions[address]
+            self.modes.pop(address, None)  # not known again until the next session opens
+        session.retire()
 
 
 def _ended(task: asyncio.Task[None]) -> None:

@@ -32,7 +32,7 @@ from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._peers import FORWARDED, Peers
 from tokenmesh.router._pool import WorkerPool
 from tokenmesh.router._tables import check_table
-from tokenmesh.server import WORKER_CHANNEL_OPTIONS, ServiceHost, write_ready_file
+from tokenmesh.server import LINK_CHANNEL_OPTIONS, WORKER_CHANNEL_OPTIONS, ServiceHost, write_ready_file
 from tokenmesh.tls import Tls
 from tokenmesh.tracing import Tracing, rpc_spans_for
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -231,7 +231,7 @@ class Router(Service):
             link = self.links.open(address)
             link.run("health watch", self._watch_worker)
             if self.config.worker_link == "auto":
-                link.run(LINK, self.inference.sessions.run)
+                link.run(LINK, self.inference.sessions.run, options=LINK_CHANNEL_OPTIONS)
 
     def _found(self, address: str, name: str) -> None:
         self._watch(address, f"dns {name}")
