@@ -23,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
+from prometheus_client import Counter
 
 from tokenmesh.errors import label, rpc_error
 from tokenmesh.links import Link
@@ -182,6 +184,7 @@ class LinkSession:
     Args:
         call: the Link call, its settings read.
         settings: what the worker announced.
+        counters: the worker's (messages, chunks) counters, or None.
 
     """
 
@@ -197,10 +200,15 @@ class LinkSession:
     """Out of ``sessions`` (its link task was cancelled): it serves the attempts on it, and no new ones."""
     _flush: asyncio.Event
     _open: bool
+    _counters: tuple[Counter, Counter] | None
+    """Messages read and the chunks they carried (None: metrics off)."""
 
-    def __init__(self, call: Any, settings: worker_pb2.LinkSettings) -> None:
+    def __init__(
+        self, call: Any, settings: worker_pb2.LinkSettings, counters: tuple[Counter, Counter] | None = None
+    ) -> None:
         self.call = call
         self.settings = settings
+        self._counters = counters
         self.attempts = {}
         self.grant_at = max(1, settings.default_window_bytes // 4)
         self._next = 0
@@ -289,6 +297,9 @@ class LinkSession:
     def _deliver(self, message: worker_pb2.LinkEvents) -> None:
         attempts = self.attempts
         ttft = message.engine_ttft_ms
+        if self._counters is not None:  # two increments a message: the batch size, read off /metrics
+            self._counters[0].inc()
+            self._counters[1].inc(len(message.chunk_stream))
         for stream, seq, text, tokens in zip(
             message.chunk_stream, message.chunk_seq, message.chunk_text, message.chunk_tokens, strict=False
         ):
@@ -326,6 +337,8 @@ class LinkSessions:
     the generation's context goes in the start command as it is)."""
     modes: dict[str, str]
     """Per worker: "batched" (a Link is open), "per-generation" (it answered UNIMPLEMENTED); absent: not known yet."""
+    counters: Callable[[str], tuple[Counter, Counter] | None]
+    """A worker's (messages, chunks) link counters (the router's metrics; None while they are off)."""
     _serving: set[asyncio.Task[None]]
     """Every session's reader task, retired ones too (held so none is collected while it runs)."""
 
@@ -333,6 +346,7 @@ class LinkSessions:
         self.sessions = {}
         self.tracer = None
         self.modes = {}
+        self.counters = lambda _: None
         self._serving = set()
 
     def get(self, address: str) -> LinkSession | None:
@@ -383,7 +397,7 @@ class LinkSessions:
         except BaseException:
             call.cancel()
             raise
-        session = self.sessions[link.address] = LinkSession(call, first.settings)
+        session = self.sessions[link.address] = LinkSession(call, first.settings, self.counters(link.address))
         self.modes[link.address] = "batched"
         reconnect.connected()
         serving = asyncio.create_task(_serve_session(session), name=f"worker link {link.address}")

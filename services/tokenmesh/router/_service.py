@@ -200,9 +200,10 @@ class Router(Service):
         self.metrics = RouterMetrics(config.metrics_tenants, enabled=bool(config.metrics_port))
         self.metrics_endpoint = None
         self.tls.denied = lambda group: self.metrics.denied.labels(group).inc()
-        self.metrics.watch(self.pool, self.admission)
+        self.metrics.watch(self.pool, self.admission, self._link_mode)
         self.inference = InferenceServicer(config, self.pool, self.links, self.admission, self.metrics)
         self.inference.tracer = self.tracing.tracer
+        self.inference.sessions.counters = self.metrics.link_counters
         if self.tracing.on and rpc_spans_for(worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name):
             self.inference.sessions.tracer = self.tracing.tracer  # a span per link stream, as per Generate call
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
