@@ -12,7 +12,9 @@ token too. Offered load = concurrency x --tokens-per-s. Targets: router <= 8
 us/token at 24k tokens/s offered; mesh throughput >= 0.97x the relay's.
 
 --tokens-per-s 100 --responses-per-s 100 measures the low-rate case (one
-token per message, each message waking an idle process). --telemetry adds a
+token per message, each message waking an idle process). --steps shared puts
+every stream's engine responses on one step clock (a batched engine's, as
+gateway.py's --steps shared); own (default) keeps each stream on its phase. --telemetry adds a
 third target: the same mesh with metrics and traces on.
 
     .venv/bin/python benchmarks/router_cost.py --concurrency 24
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import tempfile
 import threading
 import urllib.request
@@ -86,6 +89,13 @@ def main() -> None:
         help="engine responses (messages) per second per stream (default 200: 5 tokens each)",
     )
     parser.add_argument(
+        "--steps",
+        choices=("own", "shared"),
+        default="own",
+        help="the synthetic engine's responses: each stream on its own phase (default), or every stream's on one "
+        "step clock, as a batched engine's (the relay's source stays on its own phases)",
+    )
+    parser.add_argument(
         "--tls",
         action="store_true",
         help="also measure a second mesh with mutual TLS on every hop (tokenmesh certs identities), "
@@ -118,7 +128,10 @@ def main() -> None:
     folder = tempfile.TemporaryDirectory()
     try:
         repository = synthetic_repository(
-            Path(folder.name), tokens_per_s=args.tokens_per_s, responses_per_s=args.responses_per_s
+            Path(folder.name),
+            tokens_per_s=args.tokens_per_s,
+            responses_per_s=args.responses_per_s,
+            shared_steps=int(args.steps == "shared"),
         )
         config = MeshConfig(port=0, model_repository=str(repository), router_processes=args.router_processes)
         with contextlib.ExitStack() as stack:
@@ -159,7 +172,9 @@ def main() -> None:
     print(
         f"\n{args.requests} streams of {args.tokens} tokens per run, concurrency {args.concurrency} "
         f"(offered {args.concurrency * args.tokens_per_s:,.0f} tokens/s in {chunk_tokens}-token messages), "
-        f"{args.rounds} runs each"
+        f"{args.rounds} runs each; engine steps {args.steps}; "
+        f"worker link {os.environ.get('TOKENMESH_ROUTER_WORKER_LINK', 'default')}, "
+        f"linger {os.environ.get('TOKENMESH_WORKER_LINK_LINGER_US', 'default')} us"
     )
     print(
         f"{'target':8} {'tokens/s':>10} {'hop us/token':>13} {'per run':>16} {'workers us/token':>17} "
