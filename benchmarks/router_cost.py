@@ -96,6 +96,12 @@ def main() -> None:
         "step clock, as a batched engine's (the relay's source stays on its own phases)",
     )
     parser.add_argument(
+        "--links",
+        default="",
+        help="comma-separated worker-link variants, each a mesh of its own in the same alternation in place of "
+        "'mesh': off, auto, or auto:<linger us> (e.g. off,auto,auto:500); empty: one mesh as the environment says",
+    )
+    parser.add_argument(
         "--tls",
         action="store_true",
         help="also measure a second mesh with mutual TLS on every hop (tokenmesh certs identities), "
@@ -122,7 +128,9 @@ def main() -> None:
         str(chunk_tokens),
     )
     relay = start_relay("relay", "--port", str(relay_port), "--upstream", f"127.0.0.1:{source_port}")
-    names = ["relay", "mesh", *(["telemetry"] if args.telemetry else []), *(["mtls"] if args.tls else [])]
+    variants = [v for v in args.links.split(",") if v]
+    meshes = [f"link-{v}" for v in variants] or ["mesh"]
+    names = ["relay", *meshes, *(["telemetry"] if args.telemetry else []), *(["mtls"] if args.tls else [])]
     credentials: dict[str, grpc.ChannelCredentials] = {}
     runs: dict[str, list[tuple[list[RequestResult], float, float]]] = {name: [] for name in names}
     folder = tempfile.TemporaryDirectory()
@@ -135,12 +143,15 @@ def main() -> None:
         )
         config = MeshConfig(port=0, model_repository=str(repository), router_processes=args.router_processes)
         with contextlib.ExitStack() as stack:
-            mesh = stack.enter_context(running_mesh(config))
-            assert mesh.router is not None
-            hops = {
-                "relay": (f"127.0.0.1:{relay_port}", relay.pid, []),
-                "mesh": (mesh.router.address, mesh.router.proc.pid, [w.proc.pid for w in mesh.workers]),
-            }
+            hops: dict[str, tuple[str, int, list[int]]] = {"relay": (f"127.0.0.1:{relay_port}", relay.pid, [])}
+            for name, variant in zip(meshes, variants or [""], strict=True):
+                mode, _, linger = variant.partition(":")
+                env = {"TOKENMESH_ROUTER_WORKER_LINK": mode, "TOKENMESH_WORKER_LINK_LINGER_US": linger or "0"}
+                mesh = stack.enter_context(
+                    running_mesh(dataclasses.replace(config, extra_env=env) if variant else config)
+                )
+                assert mesh.router is not None
+                hops[name] = (mesh.router.address, mesh.router.proc.pid, [w.proc.pid for w in mesh.workers])
             if args.telemetry:
                 endpoint = stack.enter_context(otlp_receiver())
                 env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}
@@ -173,11 +184,15 @@ def main() -> None:
         f"\n{args.requests} streams of {args.tokens} tokens per run, concurrency {args.concurrency} "
         f"(offered {args.concurrency * args.tokens_per_s:,.0f} tokens/s in {chunk_tokens}-token messages), "
         f"{args.rounds} runs each; engine steps {args.steps}; "
-        f"worker link {os.environ.get('TOKENMESH_ROUTER_WORKER_LINK', 'default')}, "
-        f"linger {os.environ.get('TOKENMESH_WORKER_LINK_LINGER_US', 'default')} us"
+        + (
+            "link-<mode>[:<linger us>] meshes alternated"
+            if variants
+            else f"worker link {os.environ.get('TOKENMESH_ROUTER_WORKER_LINK', 'default')}, "
+            f"linger {os.environ.get('TOKENMESH_WORKER_LINK_LINGER_US', 'default')} us"
+        )
     )
     print(
-        f"{'target':8} {'tokens/s':>10} {'hop us/token':>13} {'per run':>16} {'workers us/token':>17} "
+        f"{'target':14} {'tokens/s':>10} {'hop us/token':>13} {'per run':>16} {'workers us/token':>17} "
         f"{'interrupted':>12} {'tokens/chunk':>13}"
     )
     rates, hop_cost = {}, {}
@@ -192,13 +207,13 @@ def main() -> None:
         chunk = summarize(results)["tokens_per_chunk"]
         workers = f"{worker_cpu / tokens * 1e6:17.2f}" if name != "relay" else f"{'':17}"
         print(
-            f"{name:8} {rates[name]:10.0f} {cpu / tokens * 1e6:13.2f} "
+            f"{name:14} {rates[name]:10.0f} {cpu / tokens * 1e6:13.2f} "
             f"{min(per_run):7.2f}..{max(per_run):<7.2f} {workers} "
             f"{sum(not r.ok for r in results):>12} {chunk['mean'] if chunk else 0:13.2f}"
         )
-    print(
-        f"mesh / relay throughput: {rates['mesh'] / rates['relay']:.3f} (target >= 0.97); router us/token target <= 8"
-    )
+    for name in meshes:
+        print(f"{name} / relay throughput: {rates[name] / rates['relay']:.3f} (target >= 0.97)")
+    print("router us/token target <= 8")
     if args.tls:
         print(
             f"mtls / plaintext throughput: {rates['mtls'] / rates['mesh']:.3f} (target >= 0.9); router CPU per "
