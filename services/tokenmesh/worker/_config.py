@@ -46,7 +46,7 @@ class WorkerConfig(ServerSettings, TlsSettings):
     replay_buffer_bytes: int = setting(1024 * 1024, "per-generation replay buffer; a reader further behind fails")
     memory_threshold: float = setting(0.92, "device memory fraction above which no generation is added")
     link_linger_us: int = setting(
-        0,
+        1000,
         "on a router's Worker/Link with 2 or more streams, wait up to this long (0-1000 us) for more of them "
         "to have a chunk before a send holds fewer chunks than streams (never with one stream alone)",
     )
