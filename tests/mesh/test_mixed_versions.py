@@ -142,3 +142,25 @@ async def test_mid_stream_failover_between_an_old_and_a_new_worker_keeps_seq_and
         assert all(chunks[-1].migrations == 1 for chunks in moved)
         assert len(other.started) == STREAMS  # every generation ran there, first or as a continuation
         assert sum(1 for g in other.started if g.params.max_tokens < 30) == len(moved)  # continuations: the rest
+
+
+async def test_an_old_worker_upgraded_in_place_is_asked_again_and_gets_the_link(versions: Versions) -> None:
+    async with mixed_mesh(versions, (True, False), "auto") as mesh:
+        old = mesh.workers[0]
+        address = old.host.address
+        modes = mesh.router.inference.sessions.modes
+        assert modes[address] == "per-generation"
+        await run_streams(mesh, 10)
+        await old.shutdown()  # the upgrade: the same address, a new version behind it
+        host, _, port = address.rpartition(":")
+        upgraded = Worker(WorkerConfig(host=host, port=int(port), drain_grace_s=1), backend=mesh.backends[0])
+        mesh.workers[0] = upgraded  # stopped by the fixture
+        await upgraded.start()
+        await wait_until(lambda: modes.get(address) == "batched", timeout=15)
+        assert (await link_fields(mesh))[address] == "batched"
+        assert versions.calls[upgraded.servicer] == 1
+        for b in mesh.backends:
+            b.started.clear()
+        await run_streams(mesh, 10)
+        # The upgraded worker serves, over its link (an attempt takes the open session before any spare).
+        assert mesh.backends[0].started and mesh.router.inference.sessions.get(address) is not None

@@ -12,8 +12,9 @@ in batches (a quarter of the window), coalesced into the writer's next
 message with pending starts, cancels and detaches.
 
 A worker that answers UNIMPLEMENTED predates the call: it is marked
-per-generation (the spares and ``Worker/Generate``, as before) until its link
-is renewed or dropped. A link that breaks fails every attempt on it at once
+per-generation (the spares and ``Worker/Generate``, as before) until its
+health watch loses it (an upgrade restarts it) or its link is renewed or
+dropped; then it is asked again. A link that breaks fails every attempt on it at once
 (``WorkerFailed``, kind ``link_<code>``): each generation's failover loop
 continues it elsewhere, seq contiguous.
 """
@@ -341,6 +342,8 @@ class LinkSessions:
     """A worker's (messages, chunks) link counters (the router's metrics; None while they are off)."""
     _serving: set[asyncio.Task[None]]
     """Every session's reader task, retired ones too (held so none is collected while it runs)."""
+    _ask_again: dict[str, asyncio.Event]
+    """Per worker served per generation: set when it should be asked for a Link again (it went away: a restart)."""
 
     def __init__(self) -> None:
         self.sessions = {}
@@ -348,6 +351,7 @@ class LinkSessions:
         self.modes = {}
         self.counters = lambda _: None
         self._serving = set()
+        self._ask_again = {}
 
     def get(self, address: str) -> LinkSession | None:
         """The worker's open session, if any.
@@ -374,13 +378,28 @@ class LinkSessions:
             await reconnect.failed(failure, retry_on=lambda _: True)
 
     async def _per_generation(self, address: str) -> None:
-        """A worker that predates Link: Generate it is, until its link is renewed or dropped (then asked again)."""
+        """A worker that predates Link: Generate it is, until it is asked again.
+
+        That is when it went away (:meth:`lost`: an upgrade restarts it) or its link is renewed or dropped.
+        """
         log.info("worker %s does not serve Worker/Link: one Worker/Generate call per generation", address)
         self.modes[address] = "per-generation"
+        ask = self._ask_again[address] = asyncio.Event()
         try:
-            await asyncio.get_running_loop().create_future()
+            await ask.wait()
         finally:
-            self.modes.pop(address, None)  # dropped or renewed: asked again, or gone
+            self.modes.pop(address, None)  # asked again, or gone
+            if self._ask_again.get(address) is ask:
+                del self._ask_again[address]
+
+    def lost(self, address: str) -> None:
+        """The worker's health watch lost it (a restart, an upgrade in place).
+
+        One served per generation is asked for a Link again (its link task retries until it is back).
+        """
+        ask = self._ask_again.get(address)
+        if ask is not None:
+            ask.set()
 
     async def _serve(self, link: Link, reconnect: Reconnect) -> None:
         """Open the worker's Link and serve it until it breaks (raising how).

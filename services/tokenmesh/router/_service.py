@@ -273,6 +273,7 @@ class Router(Service):
                 raise StreamEnded("health stream ended")
             except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
                 self.pool.set_health(entry, False, f"unreachable: {failure_name(exc)}")
+                self.inference.sessions.lost(link.address)  # restarted, perhaps upgraded: Link is asked again
                 raise
 
         await reconnect.run(session)
