@@ -149,6 +149,13 @@ def main() -> None:
         "--tokens-per-s", type=float, default=200.0, help="tokens per second per stream, one per response (default 200)"
     )
     parser.add_argument("--workers", type=int, default=2, help="workers, each with its own Triton (default 2)")
+    parser.add_argument(
+        "--steps",
+        choices=("own", "shared"),
+        default="own",
+        help="the synthetic engine's responses: each stream on its own phase (default), or every stream's on one "
+        "step clock, as a batched engine's (both sides get the same engine)",
+    )
     parser.add_argument("--json", default="", help="write every block's figures here")
     parser.add_argument(
         "--api",
@@ -166,6 +173,7 @@ def main() -> None:
             tokens_per_s=args.tokens_per_s,
             responses_per_s=args.tokens_per_s,
             n_parallel=max(64, *args.levels),
+            shared_steps=int(args.steps == "shared"),
         )
         config = MeshConfig(workers=args.workers, port=0, model_repository=str(repository))
         with running_mesh(config) as mesh:

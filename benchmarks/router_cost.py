@@ -12,11 +12,14 @@ token too. Offered load = concurrency x --tokens-per-s. Targets: router <= 8
 us/token at 24k tokens/s offered; mesh throughput >= 0.97x the relay's.
 
 --tokens-per-s 100 --responses-per-s 100 measures the low-rate case (one
-token per message, each message waking an idle process). --telemetry adds a
-third target: the same mesh with metrics and traces on. --api picks the
-caller's path to the mesh: ``stream`` (the client's default: every stream on
-one shared ``Inference/GenerateStream`` call per router) or ``generate`` (one
-``Inference/Generate`` call per stream); the relay serves Generate only.
+token per message, each message waking an idle process). --steps shared puts
+every stream's engine responses on one step clock (a batched engine's, as
+gateway.py's --steps shared); own (default) keeps each stream on its phase.
+--telemetry adds a third target: the same mesh with metrics and traces on.
+--api picks the caller's path to the mesh: ``stream`` (the client's default:
+every stream on one shared ``Inference/GenerateStream`` call per router) or
+``generate`` (one ``Inference/Generate`` call per stream); the relay serves
+Generate only.
 
     .venv/bin/python benchmarks/router_cost.py --concurrency 24
     .venv/bin/python benchmarks/router_cost.py --concurrency 1 --tokens-per-s 100 --responses-per-s 100 --tokens 300
@@ -29,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import tempfile
 import threading
 import urllib.request
@@ -99,6 +103,19 @@ def main() -> None:
         "default); generate = one Generate call per stream (default stream)",
     )
     parser.add_argument(
+        "--steps",
+        choices=("own", "shared"),
+        default="own",
+        help="the synthetic engine's responses: each stream on its own phase (default), or every stream's on one "
+        "step clock, as a batched engine's (the relay's source stays on its own phases)",
+    )
+    parser.add_argument(
+        "--links",
+        default="",
+        help="comma-separated worker-link variants, each a mesh of its own in the same alternation in place of "
+        "'mesh': off, auto, or auto:<linger us> (e.g. off,auto,auto:500); empty: one mesh as the environment says",
+    )
+    parser.add_argument(
         "--tls",
         action="store_true",
         help="also measure a second mesh with mutual TLS on every hop (tokenmesh certs identities), "
@@ -125,22 +142,30 @@ def main() -> None:
         str(chunk_tokens),
     )
     relay = start_relay("relay", "--port", str(relay_port), "--upstream", f"127.0.0.1:{source_port}")
-    names = ["relay", "mesh", *(["telemetry"] if args.telemetry else []), *(["mtls"] if args.tls else [])]
+    variants = [v for v in args.links.split(",") if v]
+    meshes = [f"link-{v}" for v in variants] or ["mesh"]
+    names = ["relay", *meshes, *(["telemetry"] if args.telemetry else []), *(["mtls"] if args.tls else [])]
     credentials: dict[str, grpc.ChannelCredentials] = {}
     runs: dict[str, list[tuple[list[RequestResult], float, float]]] = {name: [] for name in names}
     folder = tempfile.TemporaryDirectory()
     try:
         repository = synthetic_repository(
-            Path(folder.name), tokens_per_s=args.tokens_per_s, responses_per_s=args.responses_per_s
+            Path(folder.name),
+            tokens_per_s=args.tokens_per_s,
+            responses_per_s=args.responses_per_s,
+            shared_steps=int(args.steps == "shared"),
         )
         config = MeshConfig(port=0, model_repository=str(repository), router_processes=args.router_processes)
         with contextlib.ExitStack() as stack:
-            mesh = stack.enter_context(running_mesh(config))
-            assert mesh.router is not None
-            hops = {
-                "relay": (f"127.0.0.1:{relay_port}", relay.pid, []),
-                "mesh": (mesh.router.address, mesh.router.proc.pid, [w.proc.pid for w in mesh.workers]),
-            }
+            hops: dict[str, tuple[str, int, list[int]]] = {"relay": (f"127.0.0.1:{relay_port}", relay.pid, [])}
+            for name, variant in zip(meshes, variants or [""], strict=True):
+                mode, _, linger = variant.partition(":")
+                env = {"TOKENMESH_ROUTER_WORKER_LINK": mode, "TOKENMESH_WORKER_LINK_LINGER_US": linger or "0"}
+                mesh = stack.enter_context(
+                    running_mesh(dataclasses.replace(config, extra_env=env) if variant else config)
+                )
+                assert mesh.router is not None
+                hops[name] = (mesh.router.address, mesh.router.proc.pid, [w.proc.pid for w in mesh.workers])
             if args.telemetry:
                 endpoint = stack.enter_context(otlp_receiver())
                 env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}
@@ -176,10 +201,16 @@ def main() -> None:
         f"\n{args.requests} streams of {args.tokens} tokens per run, concurrency {args.concurrency} "
         f"(offered {args.concurrency * args.tokens_per_s:,.0f} tokens/s in {chunk_tokens}-token messages), "
         f"{args.rounds} runs each; the mesh's callers on "
-        f"Inference/{'GenerateStream' if args.api == 'stream' else 'Generate'}"
+        f"Inference/{'GenerateStream' if args.api == 'stream' else 'Generate'}; engine steps {args.steps}; "
+        + (
+            "link-<mode>[:<linger us>] meshes alternated"
+            if variants
+            else f"worker link {os.environ.get('TOKENMESH_ROUTER_WORKER_LINK', 'default')}, "
+            f"linger {os.environ.get('TOKENMESH_WORKER_LINK_LINGER_US', 'default')} us"
+        )
     )
     print(
-        f"{'target':8} {'tokens/s':>10} {'hop us/token':>13} {'per run':>16} {'workers us/token':>17} "
+        f"{'target':14} {'tokens/s':>10} {'hop us/token':>13} {'per run':>16} {'workers us/token':>17} "
         f"{'interrupted':>12} {'tokens/chunk':>13}"
     )
     rates, hop_cost = {}, {}
@@ -194,13 +225,13 @@ def main() -> None:
         chunk = summarize(results)["tokens_per_chunk"]
         workers = f"{worker_cpu / tokens * 1e6:17.2f}" if name != "relay" else f"{'':17}"
         print(
-            f"{name:8} {rates[name]:10.0f} {cpu / tokens * 1e6:13.2f} "
+            f"{name:14} {rates[name]:10.0f} {cpu / tokens * 1e6:13.2f} "
             f"{min(per_run):7.2f}..{max(per_run):<7.2f} {workers} "
             f"{sum(not r.ok for r in results):>12} {chunk['mean'] if chunk else 0:13.2f}"
         )
-    print(
-        f"mesh / relay throughput: {rates['mesh'] / rates['relay']:.3f} (target >= 0.97); router us/token target <= 8"
-    )
+    for name in meshes:
+        print(f"{name} / relay throughput: {rates[name] / rates['relay']:.3f} (target >= 0.97)")
+    print("router us/token target <= 8")
     if args.tls:
         print(
             f"mtls / plaintext throughput: {rates['mtls'] / rates['mesh']:.3f} (target >= 0.9); router CPU per "

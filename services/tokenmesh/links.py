@@ -15,6 +15,13 @@ ahead are cancelled (the next one opens on the new channel), and the old
 channel stays open until :meth:`Links.close` so that streams on it run to
 their end (or is closed at once where every call on a link is one of its
 tasks, ``keep_retired=False``).
+
+A per-peer task may have a channel of its own, with options of its own (the
+router's ``Worker/Link`` call: one HTTP/2 stream for every generation, which
+the worker channel's small window would throttle). At a renewal such a task
+is cancelled and left to drain (its body stops taking work and returns once
+what runs on its call has ended), a new one starts on a new channel of its
+own, and the old channel closes when the old task has ended.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class Link:
         address: the peer's ``host:port``.
         channel: the channel to it.
         spawn: starts the link's tasks.
+        connect: opens the channels of tasks that have their own (None: no task may).
+        close: closes a channel in the background (the owner's; a task's own channel once that task ended).
 
     """
 
@@ -62,19 +71,36 @@ class Link:
     """Calls opened ahead of need by name (a grpc.aio call each; stubs are untyped)."""
     _retired: list[grpc.aio.Channel]
     """This peer's channels replaced at renewals, open while streams may run on them."""
+    _own_options: dict[str, Options]
+    """Per-peer tasks that run on a channel of their own, by name: that channel's options."""
+    _own: dict[asyncio.Task[Any], Link]
+    """Each running or draining task with a channel of its own: the link it was given (its channel, its stubs)."""
     _spawn: Spawn
+    _connect: ChannelFactory | None
+    _close: Callable[[grpc.aio.Channel], None]
     _dropped: bool
 
-    def __init__(self, address: str, channel: grpc.aio.Channel, spawn: Spawn) -> None:
+    def __init__(
+        self,
+        address: str,
+        channel: grpc.aio.Channel,
+        spawn: Spawn,
+        connect: ChannelFactory | None = None,
+        close: Callable[[grpc.aio.Channel], None] | None = None,
+    ) -> None:
         self.address = address
         self.channel = channel
         self._spawn = spawn
+        self._connect = connect
+        self._close = close or (lambda _: None)
         self._dropped = False
         self._stubs = {}
         self._bodies = {}
         self._tasks = {}
         self._calls = {}
         self._retired = []
+        self._own_options = {}
+        self._own = {}
 
     def stub(self, kind: Callable[[grpc.aio.Channel], StubT]) -> StubT:
         """The stub of that class (e.g. ``worker_pb2_grpc.WorkerStub``) on the link's channel, made once per channel."""
@@ -87,16 +113,39 @@ class Link:
             stub = self._stubs[kind] = kind(self.channel)
         return stub
 
-    def run(self, name: str, body: PeerTask) -> None:
-        """Run a per-peer task: started again on each new channel, cancelled when the peer is dropped."""
+    def run(self, name: str, body: PeerTask, *, options: Options | None = None) -> None:
+        """Run a per-peer task: started again on each new channel, cancelled when the peer is dropped.
+
+        With options, the task runs on a channel of its own with those options: its body is given a link of
+        that channel (same address). At a renewal it is cancelled and may drain (finish what runs on its call
+        before it returns); its channel closes once it has ended.
+        """
         self._bodies[name] = body
+        if options is not None:
+            if self._connect is None:
+                raise ValueError(f"the link to {self.address} cannot open channels of its own (no connect)")
+            self._own_options[name] = options
         self._start(name)
 
     def _start(self, name: str) -> None:
         old = self._tasks.pop(name, None)
         if old is not None:
-            old.cancel()
-        self._tasks[name] = self._spawn(self._bodies[name](self), f"{name} {self.address}")
+            old.cancel()  # one with a channel of its own drains: its channel closes when it ends
+        options = self._own_options.get(name)
+        if options is None or self._connect is None:
+            self._tasks[name] = self._spawn(self._bodies[name](self), f"{name} {self.address}")
+            return
+        own = Link(self.address, self._connect(self.address, options), self._spawn)
+        task = self._tasks[name] = self._spawn(self._bodies[name](own), f"{name} {self.address}")
+        self._own[task] = own
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        """A task with a channel of its own ended (drained, or dropped): close that channel."""
+        own = self._own.pop(task, None)
+        if own is not None and not self._dropped:  # dropped: closed with the link's
+            own._dropped = True
+            self._close(own.channel)
 
     @property
     def tasks(self) -> dict[str, asyncio.Task[Any]]:
@@ -138,7 +187,12 @@ class Link:
         self._tasks.clear()
         self._bodies.clear()
         self._cancel_calls()
-        channels, self._retired = [self.channel, *self._retired], []
+        owned = []
+        for own in self._own.values():  # draining ones too: their calls end with their channels
+            own._dropped = True
+            owned.append(own.channel)
+        self._own.clear()
+        channels, self._retired = [self.channel, *self._retired, *owned], []
         return channels
 
 
@@ -207,7 +261,8 @@ class Links:
         """The link to address, opened now if it is not yet (the channel connects on its first call)."""
         link = self._links.get(address)
         if link is None:
-            link = self._links[address] = Link(address, self._connect(address, self._options), self._spawn)
+            channel = self._connect(address, self._options)
+            link = self._links[address] = Link(address, channel, self._spawn, self._connect, self._close_later)
         return link
 
     def drop(self, address: str) -> None:

@@ -41,6 +41,16 @@ WORKER_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.http2.bdp_probe", 0),
     ("grpc.http2.lookahead_bytes", 4096),
 )
+# The router's Worker/Link calls (one per worker, every generation on one
+# HTTP/2 stream), each on a channel of its own: a large fixed window, so that
+# the link is never held back by HTTP/2 flow control; backpressure per
+# generation is the link's credit (the worker merges what a slow caller has not
+# taken). The per-generation calls stay on WORKER_CHANNEL_OPTIONS.
+LINK_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    *CHANNEL_OPTIONS,
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 1024 * 1024),
+)
 SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),

@@ -152,6 +152,14 @@ def parent(metadata: Iterable[tuple[str, Any]] | None) -> Context | None:
     return from_metadata(metadata)
 
 
+def rpc_spans_for(service: str) -> bool:
+    """Whether calls of service (a full name) get RPC spans: not named in ``OTEL_PYTHON_GRPC_EXCLUDED_SERVICES``.
+
+    Read as the instrumentation reads it (comma-separated, spaces stripped), for spans that stand in for an RPC's.
+    """
+    return service not in {s.strip() for s in os.environ.get("OTEL_PYTHON_GRPC_EXCLUDED_SERVICES", "").split(",")}
+
+
 def from_mapping(carrier: Mapping[str, str]) -> Context:
     """A trace context from a mapping of header names (lower-case) to values."""
     return PROPAGATOR.extract(dict(carrier))

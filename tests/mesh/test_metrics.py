@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.dns_server import free_port_on
-from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
+from tests.support.mesh import InProcessMesh, collect, in_process_mesh, wait_until
 from tokenmesh.prober import Prober, ProberConfig
 from tokenmesh.v1 import inference_pb2
 
@@ -87,6 +87,28 @@ async def test_the_router_counts_what_callers_feel_and_reads_the_pool_at_scrape_
     assert total(samples, "tokenmesh_router_queued") == 0
     assert total(samples, "tokenmesh_router_worker_state", worker=first, state="serving") == 1
     assert not undocumented(samples)
+
+
+async def test_the_router_says_how_each_worker_is_reached_and_how_many_chunks_each_link_message_held() -> None:
+    for worker_link in ("auto", "off"):
+        port = free_port_on("127.0.0.1")
+        async with in_process_mesh(metrics_port=port, worker_link=worker_link) as mesh:
+            runs = await asyncio.gather(*(collect(mesh, prompt=f"p{i}", max_tokens=10 + i) for i in range(24)))
+            samples = await asyncio.to_thread(scrape, port)
+        mode = "batched" if worker_link == "auto" else "per-generation"
+        for w in mesh.workers:
+            assert total(samples, "tokenmesh_router_worker_link", worker=w.host.address, link=mode) == 1
+            assert total(samples, "tokenmesh_router_worker_link", worker=w.host.address) == 1  # one mode each
+        messages = total(samples, "tokenmesh_router_link_messages_total")
+        chunks = total(samples, "tokenmesh_router_link_chunks_total")
+        if worker_link == "off":
+            assert messages == chunks == 0
+            continue
+        # Every chunk but the final one (an end on the link) came in a link message, some several to a message.
+        assert chunks == sum(len(c) - 1 for c in runs)
+        assert 0 < messages <= chunks + len(runs)
+        assert all(total(samples, "tokenmesh_router_link_messages_total", worker=w.host.address) for w in mesh.workers)
+        assert not undocumented(samples)
 
 
 def parse(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

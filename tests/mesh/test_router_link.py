@@ -184,3 +184,33 @@ async def test_callers_that_stop_reading_hold_back_only_their_own_generations_on
         for chunks in got:
             assert_exact(chunks, 1500)
             assert chunks[-1].migrations == 0  # a slow caller is not a stalled worker
+
+
+async def test_streams_on_a_link_run_to_their_end_across_a_renewal_while_new_ones_take_the_new_link() -> None:
+    async with in_process_mesh(worker_link="auto", backend_settings={"delay": 0.02}) as mesh:
+        sessions = mesh.router.inference.sessions.sessions
+        old = dict(sessions)
+        calls = [
+            mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"o{i}", max_tokens=60)) for i in range(24)
+        ]
+        got = [[await call.read() for _ in range(3)] for call in calls]
+        mesh.router.links.renew()  # new certificates: a new channel per worker, and a new one for its link
+        await wait_until(lambda: all(a in sessions and sessions[a] is not s for a, s in old.items()))
+        assert all(s.retired and s.attempts for s in old.values())  # draining: its streams run on, no new ones
+        fresh = [
+            mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"n{i}", max_tokens=30)) for i in range(8)
+        ]
+        later = [[await call.read()] for call in fresh]
+        assert sum(len(sessions[a].attempts) for a in old) == 8  # every new generation on a new link
+        for call, chunks in zip([*calls, *fresh], [*got, *later], strict=True):
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                chunks.append(chunk)
+        for chunks in got:
+            assert_exact(chunks, 60)
+            assert chunks[-1].migrations == 0  # finished on the old link, not failed over
+        for chunks in later:
+            assert_exact(chunks, 30)
+        # Drained: each old link closed its call once its last stream ended (its own channel with it).
+        await wait_until(lambda: all(s.call.done() for s in old.values()))
+        assert all(not s.attempts for s in old.values())
+        assert await links(mesh) == ["batched", "batched"]

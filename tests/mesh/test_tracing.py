@@ -2,7 +2,8 @@
 
 Each hop is an RPC span (opentelemetry-instrumentation-grpc, tokenmesh._rpc_spans), the generation spans their
 children: caller -> router RPC server span -> router generation span -> router->worker RPC client span -> worker
-RPC server span -> worker generation span.
+RPC server span -> worker generation span. On a worker link (one call for many generations) an attempt's client
+span is its stream's on the link, and the worker's generation span is its child.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from tests.support.mesh import in_process_mesh
 from tests.support.otlp_receiver import Receiver, attributes
 from tokenmesh.errors import ErrorInterceptor
+from tokenmesh.router._link import STREAM_SPAN
 from tokenmesh.router._spares import SPARE
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
@@ -53,6 +55,28 @@ def parent(spans: list[tuple[str, trace_pb2.Span]], span: trace_pb2.Span) -> tra
     return found
 
 
+def worker_spans(
+    spans: list[tuple[str, trace_pb2.Span]], generation: trace_pb2.Span, linked: bool
+) -> list[tuple[trace_pb2.Span, trace_pb2.Span]]:
+    """(attempt's client span, worker's generation span) of each attempt of a router generation span.
+
+    Per generation: the Worker/Generate call's RPC span -> the worker's RPC server span -> its generation span. On
+    a link: the attempt's stream span -> the worker's generation span (a link carries no per-generation RPC).
+    """
+    if linked:
+        calls = [s for svc, s in spans if svc == "tokenmesh-router" and s.name == STREAM_SPAN]
+    else:
+        calls = rpcs(spans, "tokenmesh-router", "tokenmesh.v1.Worker/Generate")
+    served = {s.parent_span_id: s for s in rpcs(spans, "tokenmesh-worker", "tokenmesh.v1.Worker/Generate")}
+    workers = generations(spans, "tokenmesh-worker")
+    found = []
+    for call in [c for c in calls if c.parent_span_id == generation.span_id]:
+        above = call if linked else served[call.span_id]
+        (generated,) = [w for w in workers if w.parent_span_id == above.span_id]
+        found.append((call, generated))
+    return found
+
+
 async def test_one_trace_from_the_callers_traceparent_through_router_and_worker(receiver: Receiver) -> None:
     async with in_process_mesh() as mesh:
         mesh.backends[0].fail_after = 3  # a generation that starts there moves to the other worker
@@ -70,9 +94,9 @@ async def test_one_trace_from_the_callers_traceparent_through_router_and_worker(
         ]
         # Traced, each generation opened its own worker calls: none was opened ahead of need.
         assert all(link.held(SPARE) is None for _, link in mesh.router.links.items())
+        linked = bool(mesh.router.inference.sessions.sessions)  # the attempts ran on the workers' links
     spans = receiver.spans()
     routers = generations(spans, "tokenmesh-router")
-    workers = generations(spans, "tokenmesh-worker")
     ours = [s for s in routers if s.trace_id.hex() == TRACE_ID]
     assert len(ours) == 2 and len(routers) == 3
     for span in ours:
@@ -90,38 +114,25 @@ async def test_one_trace_from_the_callers_traceparent_through_router_and_worker(
         assert a["gen_ai.usage.output_tokens"] == 6 and a["gen_ai.response.finish_reasons"] == ["length"]
         assert a["gen_ai.response.id"] in {f.request_id for f in finals}
         assert "gen_ai.first_token" in [e.name for e in span.events]
-        # Each attempt: a client span under the generation, the worker's server span under it, the worker's
-        # generation span under that, all in the caller's trace.
-        calls = [
-            s
-            for s in rpcs(spans, "tokenmesh-router", "tokenmesh.v1.Worker/Generate")
-            if s.parent_span_id == span.span_id
-        ]
-        assert calls and all(c.kind == trace_pb2.Span.SPAN_KIND_CLIENT for c in calls)
-        worker_addresses = {w.host.port for w in mesh.workers}
-        for call in calls:
+        # Each attempt: a client span under the generation (a Worker/Generate call's RPC span, or on a link the
+        # attempt's stream span), the worker's generation span under it, all in the caller's trace.
+        attempts = worker_spans(spans, span, linked)
+        assert attempts and all(c.kind == trace_pb2.Span.SPAN_KIND_CLIENT for c, _ in attempts)
+        worker_ports = {w.host.port for w in mesh.workers}
+        for call, generated in attempts:
             c = attributes(call)
-            assert c["rpc.service"] == "tokenmesh.v1.Worker" and c["rpc.method"] == "Generate"
-            assert c["server.address"] == "127.0.0.1" and c["server.port"] in worker_addresses
-            (served,) = [
-                s
-                for s in rpcs(spans, "tokenmesh-worker", "tokenmesh.v1.Worker/Generate")
-                if s.parent_span_id == call.span_id
-            ]
-            assert served.kind == trace_pb2.Span.SPAN_KIND_SERVER and served.trace_id.hex() == TRACE_ID
-            (generated,) = [w for w in workers if w.parent_span_id == served.span_id]
+            assert c["server.address"] == "127.0.0.1" and c["server.port"] in worker_ports
+            assert c["rpc.service"] == "tokenmesh.v1.Worker" and c["rpc.method"] == ("Link" if linked else "Generate")
+            if not linked:
+                served = parent(spans, generated)  # the worker's RPC server span, between the call and generation
+                assert served.kind == trace_pb2.Span.SPAN_KIND_SERVER and served.trace_id.hex() == TRACE_ID
             assert generated.name == "generate fake" and generated.trace_id.hex() == TRACE_ID
     moved = [s for s in ours if any(e.name == "tokenmesh.worker_failed" for e in s.events)]
     assert len(moved) == sum(1 for f in finals if f.migrations)
     for span in moved:  # the failed attempt's worker span says why, the other one ends normally
         event = next(e for e in span.events if e.name == "tokenmesh.worker_failed")
         assert {a.key: a.value.string_value for a in event.attributes}["tokenmesh.failure"] == "backend"
-        served = [
-            s
-            for s in rpcs(spans, "tokenmesh-worker", "tokenmesh.v1.Worker/Generate")
-            if parent(spans, s).parent_span_id == span.span_id
-        ]
-        statuses = sorted(w.status.code for w in workers if w.parent_span_id in {s.span_id for s in served})
+        statuses = sorted(w.status.code for _, w in worker_spans(spans, span, linked))
         assert statuses == [trace_pb2.Status.STATUS_CODE_UNSET, trace_pb2.Status.STATUS_CODE_ERROR]
     other = next(s for s in routers if s.trace_id.hex() != TRACE_ID)
     assert not parent(spans, other).parent_span_id  # the malformed traceparent started a trace of its own
@@ -194,7 +205,10 @@ async def test_one_trace_from_the_http_callers_traceparent_through_gateway_route
     assert call.kind == trace_pb2.Span.SPAN_KIND_CLIENT and not call.parent_span_id
     assert attributes(call)["server.port"] == mesh.router.host.port
     assert router.parent_span_id == edge.span_id and router.kind == trace_pb2.Span.SPAN_KIND_SERVER
-    assert parent(spans, parent(spans, worker)).parent_span_id == router.span_id
+    attempt = parent(spans, worker)  # on a link, the attempt's stream span
+    if attempt.name != STREAM_SPAN:  # a Worker/Generate call: the worker's RPC server span, under the call's
+        attempt = parent(spans, attempt)
+    assert attempt.parent_span_id == router.span_id
     assert edge.name == "text_completion default" and attributes(edge)["url.path"] == "/v1/completions"
     assert SECRET.encode() not in receiver.raw()
     assert 'tokenmesh_gateway_http_requests_total{route="/v1/completions",status="200"} 1.0' in metrics
@@ -317,13 +331,17 @@ async def test_an_untraced_router_passes_the_callers_context_on_and_keeps_its_sp
                 )
             ]
         spares = [link.held(SPARE) for _, link in mesh.router.links.items()]
+        linked = bool(mesh.router.inference.sessions.sessions)
     spans = receiver.spans()
     assert not [s for svc, s in spans if svc == "tokenmesh-router"]
     # The caller's context went in the start command (on a spare call): each worker generation span is its child.
     worker_spans = generations(spans, "tokenmesh-worker")
     assert len(worker_spans) == 2
     assert all(w.trace_id.hex() == TRACE_ID and w.parent_span_id.hex() == PARENT_ID for w in worker_spans)
-    assert any(spare is not None for spare in spares)  # untraced, the router keeps opening calls ahead of need
+    if linked:  # on the workers' links: no call per generation, none opened ahead
+        assert not any(spares)
+    else:
+        assert any(spare is not None for spare in spares)  # untraced, the router keeps opening calls ahead of need
 
 
 async def test_a_server_span_runs_no_code_per_message_and_ends_with_the_calls_outcome() -> None:

@@ -60,11 +60,16 @@ def start(stream: int, request_id: str, *, window: int = 0, resumable: bool = Fa
 
 
 @contextlib.asynccontextmanager
-async def linked_worker(backend: FakeBackend, **settings: Any) -> AsyncIterator[tuple[Worker, LinkCall]]:
+async def linked_worker(
+    backend: FakeBackend, linger_s: float | None = None, **settings: Any
+) -> AsyncIterator[tuple[Worker, LinkCall]]:
+    """A worker and a Link call to it (linger_s: its links' linger, set past the setting's bound)."""
     worker = Worker(WorkerConfig(port=0, drain_grace_s=1, **settings), backend=backend)
     await worker.start()
     try:
         await wait_until(lambda: worker.servicer.serving)
+        if linger_s is not None:
+            worker.servicer.link_linger_s = linger_s
         async with grpc.aio.insecure_channel(worker.host.address) as channel:
             link = LinkCall(worker_pb2_grpc.WorkerStub(channel).Link())
             first = await link.call.read()
@@ -182,3 +187,33 @@ async def test_a_dropped_link_leaves_resumable_generations_for_attach_and_cancel
             events = [e async for e in worker_pb2_grpc.WorkerStub(channel).Attach(attach, timeout=5)]
         assert [e.seq for e in events] == list(range(seen + 1, seen + 1 + len(events)))
         assert events[-1].end.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+
+
+async def test_a_send_lingers_for_the_links_other_streams_within_its_bound_and_never_for_a_lone_one() -> None:
+    worker = Worker(WorkerConfig(port=0, link_linger_us=1000), backend=FakeBackend())
+    assert worker.servicer.link_linger_s == 0.001  # --link-linger-us
+    # Half a second (the setting's bound is 1 ms), so that a busy machine cannot blur what is measured.
+    async with linked_worker(FakeBackend(delay=0.1), linger_s=0.5) as (_, link):
+        sent = time.monotonic()
+        await link.send(start(1, "alone", max_tokens=2))
+        await link.until(lambda: 1 in link.chunks)
+        assert link.messages[-1][0] - sent < 0.1 + 0.3  # alone on the link: its chunk leaves as it lands
+        await link.until(lambda: 1 in link.ends)
+        for s in (2, 3, 4):  # first chunks due 30 ms apart: without a linger, three messages
+            await link.send(start(s, f"p{s}", max_tokens=2))
+            await asyncio.sleep(0.03)
+        await link.until(lambda: len(link.chunks) == 4)
+        first = next(m for _, m in link.messages if set(m.chunk_stream) - {1})
+        assert sorted(first.chunk_stream) == [2, 3, 4]  # gathered: every stream was ready before the bound
+        await link.until(lambda: len(link.ends) == 4)
+        # Stream 5 gets its first chunk, then no credit: not ready again before it finishes. Each later send of
+        # stream 6 waits the whole linger for it, and no longer.
+        await link.send(start(5, "starved", window=1, max_tokens=12), start(6, "goes", max_tokens=4))
+        await link.until(lambda: 6 in link.ends)
+        times = [t for t, m in link.messages if 6 in m.chunk_stream or any(e.stream == 6 for e in m.ends)]
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        assert gaps and all(0.45 < g < 0.5 + 0.1 + 0.3 for g in gaps)
+        await link.send(credit={5: 1000})  # alone now: no linger
+        await link.until(lambda: 5 in link.ends)
+        for s, tokens in ((1, 2), (2, 2), (3, 2), (4, 2), (5, 12), (6, 4)):
+            assert_whole(link, s, tokens)

@@ -50,11 +50,11 @@ def test_buf_lint_takes_new_rpcs_in_v1_style_and_refuses_what_standard_refuses(t
         root,
         "  rpc ListModels(ListModelsRequest) returns (ListModelsResponse);\n",
         "  rpc ListModels(ListModelsRequest) returns (ListModelsResponse);\n"
-        "  rpc GenerateStream(stream GenerateCommands) returns (stream GenerateEvents);\n",
+        "  rpc GenerateBatch(stream BatchCommands) returns (stream BatchEvents);\n",
     )
     with (root / INFERENCE).open("a") as proto:
-        proto.write("\nmessage GenerateCommands {\n  repeated GenerateRequest starts = 1;\n}\n")
-        proto.write("\nmessage GenerateEvents {\n  repeated GenerateChunk chunks = 1;\n}\n")
+        proto.write("\nmessage BatchCommands {\n  repeated GenerateRequest starts = 1;\n}\n")
+        proto.write("\nmessage BatchEvents {\n  repeated GenerateChunk chunks = 1;\n}\n")
     assert buf("lint", cwd=root).returncode == 0
     # A rule STANDARD keeps still holds.
     with (root / INFERENCE).open("a") as proto:

@@ -67,10 +67,11 @@ async def in_process_mesh(
 ) -> AsyncIterator[InProcessMesh]:
     """Two workers over FakeBackend and a router (no prober: even split over healthy workers).
 
-    The router's ``worker_link`` defaults to ``$TOKENMESH_TEST_WORKER_LINK`` (else the router's default), so a mesh
-    suite runs both ways; with the link on, the mesh is ready once each worker's link is open (or refused).
+    The router's ``worker_link`` defaults to ``$TOKENMESH_TEST_WORKER_LINK`` (else the router's default, auto), so
+    a mesh suite runs both ways; with the link on, the mesh is ready once each worker's link is open (or refused).
     """
-    router_settings.setdefault("worker_link", os.environ.get(LINK_ENV, "off"))
+    if os.environ.get(LINK_ENV):
+        router_settings.setdefault("worker_link", os.environ[LINK_ENV])
     backends = [FakeBackend(**(backend_settings or {})), FakeBackend(**(backend_settings or {}))]
     workers = [Worker(WorkerConfig(port=0, drain_grace_s=1, **(worker_settings or {})), backend=b) for b in backends]
     router: Router | None = None
@@ -85,7 +86,7 @@ async def in_process_mesh(
         channel = grpc.aio.insecure_channel(router.host.address)
         pool = router.pool
         await wait_until(lambda: all(e.healthy and e.models for e in pool.entries.values()))
-        if router_settings["worker_link"] == "auto":
+        if router.config.worker_link == "auto":
             modes = router.inference.sessions.modes  # "batched" once a link is open; an old worker's "per-generation"
             await wait_until(lambda: all(w.host.address in modes for w in workers))
         for b in backends:

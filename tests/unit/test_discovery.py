@@ -15,6 +15,7 @@ from tokenmesh.config import ConfigError
 from tokenmesh.discovery import EMPTY_ROUNDS, Discovery, DnsResolver, LookupFailed
 from tokenmesh.prober import ProberConfig
 from tokenmesh.router import Router, RouterConfig
+from tokenmesh.router._link import LINK
 from tokenmesh.router._spares import SPARE
 from tokenmesh.server import ServiceHost
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
@@ -143,7 +144,10 @@ def test_discovery_settings_are_checked() -> None:
         RouterConfig(workers=("w:1",), port=9000, health_port=9000)
 
 
-async def test_a_router_follows_the_records_and_drains_a_worker_that_left_without_breaking_its_stream() -> None:
+@pytest.mark.parametrize("worker_link", ["auto", "off"])
+async def test_a_router_follows_the_records_and_drains_a_worker_that_left_without_breaking_its_stream(
+    worker_link: str,
+) -> None:
     server = DnsServer().start()
     hosts = ("127.0.0.1", "127.0.0.2")
     port = free_port_on(*hosts)
@@ -165,6 +169,7 @@ async def test_a_router_follows_the_records_and_drains_a_worker_that_left_withou
                 discovery_dns_server=server.address,
                 discovery_interval_s=0.2,
                 drain_grace_s=1,
+                worker_link=worker_link,
             )
         )
         await router.start()
@@ -179,8 +184,14 @@ async def test_a_router_follows_the_records_and_drains_a_worker_that_left_withou
             seqs = [(await stream.read()).seq]
             first_link = router.links[first]
             watch = first_link.tasks["health watch"]
-            spare = first_link.held(SPARE)  # opened for its next generation once this one started
-            assert spare is not None and not spare.done()
+            # Per generation, a spare call is opened for its next generation once this one started; on the link,
+            # its session is the worker's link task's.
+            spare = first_link.held(SPARE)
+            link_task = first_link.tasks.get(LINK)
+            if worker_link == "off":
+                assert spare is not None and not spare.done() and link_task is None
+            else:
+                assert spare is None and link_task is not None and not link_task.done()
             server.zone.set("workers.mesh.test", "127.0.0.2")
             await wait_until(lambda: second in pool.entries and pool.entries[second].healthy, timeout=2)
             table = await operator.GetRoutingTable(router_pb2.GetRoutingTableRequest())
@@ -200,9 +211,10 @@ async def test_a_router_follows_the_records_and_drains_a_worker_that_left_withou
             assert final.usage.completion_tokens == 150 and seqs == list(range(1, len(seqs) + 1))
             # Its streams ended: the first worker is dropped, channel and all.
             await wait_until(lambda: first not in pool.entries, timeout=2)
-            assert first not in router.links and spare.cancelled() and first_link.tasks == {}
-            await wait_until(watch.done)
-            assert watch.cancelled()
+            assert first not in router.links and first_link.tasks == {}
+            assert spare.cancelled() if spare is not None else first not in router.inference.sessions.sessions
+            await wait_until(lambda: watch.done() and (link_task is None or link_task.done()))
+            assert watch.cancelled() and (link_task is None or link_task.cancelled())
             table = await operator.GetRoutingTable(router_pb2.GetRoutingTableRequest())
             assert [w.address for w in table.workers] == [second]
             # And it comes back when the name lists it again.

@@ -39,13 +39,17 @@ class Opened:
     """A channel factory that remembers every channel it opened, in order."""
 
     channels: list[grpc.aio.Channel]
+    options: list[tuple[tuple[str, Any], ...]]
+    """Each channel's options, in the same order."""
 
     def __init__(self) -> None:
         self.channels = []
+        self.options = []
 
     def __call__(self, address: str, options: tuple[tuple[str, Any], ...]) -> grpc.aio.Channel:
         channel = open_channel(address, None, options)
         self.channels.append(channel)
+        self.options.append(options)
         return channel
 
 
@@ -218,3 +222,71 @@ async def test_without_keep_retired_a_renewal_closes_the_old_channel_at_once(pee
         assert (await links[address].stub(health_pb2_grpc.HealthStub).Check(WHOLE, timeout=5)).status == SERVING
     finally:
         await links.close()
+
+
+class Drainer:
+    """A per-peer task body on a channel of its own: a Watch, and when cancelled it drains until released."""
+
+    links: list[Link]
+    streams: list[Any]
+    released: asyncio.Event
+    draining: asyncio.Event
+
+    def __init__(self) -> None:
+        self.links = []
+        self.streams = []
+        self.released = asyncio.Event()
+        self.draining = asyncio.Event()
+
+    async def __call__(self, link: Link) -> None:
+        self.links.append(link)
+        stream = link.stub(health_pb2_grpc.HealthStub).Watch(WHOLE)
+        self.streams.append(stream)
+        try:
+            await asyncio.get_running_loop().create_future()
+        except asyncio.CancelledError:
+            self.draining.set()
+            await self.released.wait()  # what runs on its call finishes first
+            raise
+
+
+async def test_a_task_with_a_channel_of_its_own_drains_at_a_renewal_and_its_old_channel_closes_when_it_ends(
+    peer: tuple[str, HealthServicer],
+) -> None:
+    address, servicer = peer
+    opened = Opened()
+    links = Links(opened, (("grpc.http2.lookahead_bytes", 4096),))
+    drainer = Drainer()
+    wide = (("grpc.http2.lookahead_bytes", 1 << 20),)
+    try:
+        link = links.open(address)
+        link.run("link", drainer, options=wide)
+        first = link.tasks["link"]
+        await wait_for_streams(drainer, 1)
+        assert len(opened.channels) == 2 and opened.options[1] == wide  # the link's own channel, its own options
+        assert drainer.links[0].channel is opened.channels[1] and drainer.links[0].address == address
+        assert (await drainer.streams[0].read()).status == SERVING
+        links.renew()  # a new channel for the link, and a new one of its own for the task
+        await wait_for_streams(drainer, 2)
+        assert drainer.links[1].channel is opened.channels[3] and opened.options[3] == wide
+        await asyncio.wait_for(drainer.draining.wait(), 5)
+        assert not first.done()  # draining: its channel is open and its stream runs on
+        await servicer.set("", NOT_SERVING)
+        assert (await asyncio.wait_for(drainer.streams[0].read(), 5)).status == NOT_SERVING
+        on_old = health_pb2_grpc.HealthStub(opened.channels[1])
+        drainer.released.set()
+        await asyncio.wait({first}, timeout=5)
+        assert first.cancelled()
+        await fails_soon(on_old)  # closed once its task ended, not at close()
+        async with asyncio.timeout(5):  # the new task's stream runs on: it hears the change too
+            while (await drainer.streams[1].read()).status != NOT_SERVING:
+                pass
+    finally:
+        await links.close()
+    await fails_soon(health_pb2_grpc.HealthStub(opened.channels[3]))  # dropped: the task's own channel closed too
+
+
+async def wait_for_streams(drainer: Drainer, n: int) -> None:
+    async with asyncio.timeout(5):
+        while len(drainer.streams) < n:
+            await asyncio.sleep(0.01)

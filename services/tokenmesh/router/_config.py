@@ -52,10 +52,10 @@ class RouterConfig(ServerSettings, TlsSettings):
     max_migrations: int = setting(3, "times one generation may move to (or be retried on) another worker")
     failover_wait_s: float = setting(30.0, "how long a stream whose worker failed waits for another live worker")
     worker_link: str = setting(
-        "off",
+        "auto",
         "auto: each generation goes to its worker on one shared Worker/Link call per worker (batched chunks, "
         "per-generation credit), Worker/Generate for workers that do not serve Link; off: one Worker/Generate "
-        "call per generation",
+        "call per generation (the rollback switch)",
     )
     policy: str = setting("prefix", "worker selection: prefix (KV-cache affinity), least-loaded, round-robin")
     max_streams_per_connection: int = setting(

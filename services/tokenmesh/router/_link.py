@@ -12,8 +12,9 @@ in batches (a quarter of the window), coalesced into the writer's next
 message with pending starts, cancels and detaches.
 
 A worker that answers UNIMPLEMENTED predates the call: it is marked
-per-generation (the spares and ``Worker/Generate``, as before) until its link
-is renewed or dropped. A link that breaks fails every attempt on it at once
+per-generation (the spares and ``Worker/Generate``, as before) until its
+health watch loses it (an upgrade restarts it) or its link is renewed or
+dropped; then it is asked again. A link that breaks fails every attempt on it at once
 (``WorkerFailed``, kind ``link_<code>``): each generation's failover loop
 continues it elsewhere, seq contiguous.
 """
@@ -23,14 +24,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+from prometheus_client import Counter
 
 from tokenmesh.errors import label, rpc_error
 from tokenmesh.links import Link
 from tokenmesh.retry import Reconnect
 from tokenmesh.router._outcome import WorkerFailed
+from tokenmesh.tracing import from_mapping, inject
 from tokenmesh.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,6 +49,8 @@ CHUNK_OVERHEAD = 16
 """Credit a chunk costs beyond its text's bytes (as the worker counts it)."""
 LINK = "worker link"
 """The name of the per-peer task that holds a worker's link session."""
+STREAM_SPAN = "worker link stream"
+"""The client span of a traced attempt on a link (what a Worker/Generate call's RPC span is on the other path)."""
 
 Item = worker_pb2.WorkerEvent | BaseException
 """What an attempt's mailbox holds: the worker's events, then the error that ends the attempt, if any."""
@@ -57,9 +65,11 @@ class Attempt:
 
     """
 
-    __slots__ = ("_closed", "_ended", "_mailbox", "_owed", "_session", "_waiter", "stream")
+    __slots__ = ("_closed", "_ended", "_mailbox", "_owed", "_session", "_waiter", "span", "stream")
 
     stream: int
+    span: trace.Span | None
+    """A traced attempt's client span (the worker's generation span is its child); ended when the attempt is."""
     _session: LinkSession
     _mailbox: deque[Item]
     _waiter: asyncio.Future[None] | None
@@ -78,6 +88,28 @@ class Attempt:
         self._owed = 0
         self._ended = False
         self._closed = False
+        self.span = None
+
+    def trace(self, tracer: trace.Tracer, parent: dict[str, str], address: str) -> dict[str, str]:
+        """Open the attempt's span under parent (the generation's); return the context its start command carries.
+
+        A link carries no per-generation metadata, so there is no RPC span per attempt: this span stands in for
+        the one a Worker/Generate call would get, and the worker's generation span is its child.
+        """
+        host, _, port = address.rpartition(":")
+        attributes: dict[str, str | int] = {
+            "rpc.system": "grpc",  # a part of the Link call, as the RPC spans say it (not a generation span)
+            "rpc.service": "tokenmesh.v1.Worker",
+            "rpc.method": "Link",
+            "server.address": host,
+            "tokenmesh.link.stream": self.stream,
+        }
+        if port.isdigit():
+            attributes["server.port"] = int(port)
+        self.span = tracer.start_span(
+            STREAM_SPAN, from_mapping(parent), kind=trace.SpanKind.CLIENT, attributes=attributes
+        )
+        return inject(self.span)
 
     # -- fed by the session's reader (never awaits) --
 
@@ -85,12 +117,16 @@ class Attempt:
         """An event (or the error that ends the attempt) for the consumer; wake it if it waits."""
         self._mailbox.append(item)
         self._ended = self._ended or last
+        if self.span is not None and isinstance(item, BaseException):
+            self.span.set_status(Status(StatusCode.ERROR, str(item)))
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     def end(self, end: worker_pb2.LinkEnd) -> None:
         """The worker ended the stream: its end or error event, or the status its own call would have ended with."""
         self.put(end.event if end.HasField("event") else rpc_error(end.status), last=True)
+        if self.span is not None and end.event.HasField("error"):
+            self.span.set_status(Status(StatusCode.ERROR, end.event.error.message))
 
     # -- the consumer's side (Relay.run) --
 
@@ -130,6 +166,8 @@ class Attempt:
         if self._closed:
             return False
         self._closed = True
+        if self.span is not None:
+            self.span.end()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.cancel()
         if not self._ended:
@@ -147,6 +185,7 @@ class LinkSession:
     Args:
         call: the Link call, its settings read.
         settings: what the worker announced.
+        counters: the worker's (messages, chunks) counters, or None.
 
     """
 
@@ -162,10 +201,15 @@ class LinkSession:
     """Out of ``sessions`` (its link task was cancelled): it serves the attempts on it, and no new ones."""
     _flush: asyncio.Event
     _open: bool
+    _counters: tuple[Counter, Counter] | None
+    """Messages read and the chunks they carried (None: metrics off)."""
 
-    def __init__(self, call: Any, settings: worker_pb2.LinkSettings) -> None:
+    def __init__(
+        self, call: Any, settings: worker_pb2.LinkSettings, counters: tuple[Counter, Counter] | None = None
+    ) -> None:
         self.call = call
         self.settings = settings
+        self._counters = counters
         self.attempts = {}
         self.grant_at = max(1, settings.default_window_bytes // 4)
         self._next = 0
@@ -254,6 +298,9 @@ class LinkSession:
     def _deliver(self, message: worker_pb2.LinkEvents) -> None:
         attempts = self.attempts
         ttft = message.engine_ttft_ms
+        if self._counters is not None:  # two increments a message: the batch size, read off /metrics
+            self._counters[0].inc()
+            self._counters[1].inc(len(message.chunk_stream))
         for stream, seq, text, tokens in zip(
             message.chunk_stream, message.chunk_seq, message.chunk_text, message.chunk_tokens, strict=False
         ):
@@ -286,15 +333,25 @@ class LinkSessions:
     """
 
     sessions: dict[str, LinkSession]
+    tracer: trace.Tracer | None
+    """Opens the stream spans of traced attempts (None: tracing is off, or the Worker service's RPCs get no spans:
+    the generation's context goes in the start command as it is)."""
     modes: dict[str, str]
     """Per worker: "batched" (a Link is open), "per-generation" (it answered UNIMPLEMENTED); absent: not known yet."""
+    counters: Callable[[str], tuple[Counter, Counter] | None]
+    """A worker's (messages, chunks) link counters (the router's metrics; None while they are off)."""
     _serving: set[asyncio.Task[None]]
     """Every session's reader task, retired ones too (held so none is collected while it runs)."""
+    _ask_again: dict[str, asyncio.Event]
+    """Per worker served per generation: set when it should be asked for a Link again (it went away: a restart)."""
 
     def __init__(self) -> None:
         self.sessions = {}
+        self.tracer = None
         self.modes = {}
+        self.counters = lambda _: None
         self._serving = set()
+        self._ask_again = {}
 
     def get(self, address: str) -> LinkSession | None:
         """The worker's open session, if any.
@@ -321,19 +378,35 @@ class LinkSessions:
             await reconnect.failed(failure, retry_on=lambda _: True)
 
     async def _per_generation(self, address: str) -> None:
-        """A worker that predates Link: Generate it is, until its link is renewed or dropped (then asked again)."""
+        """A worker that predates Link: Generate it is, until it is asked again.
+
+        That is when it went away (:meth:`lost`: an upgrade restarts it) or its link is renewed or dropped.
+        """
         log.info("worker %s does not serve Worker/Link: one Worker/Generate call per generation", address)
         self.modes[address] = "per-generation"
+        ask = self._ask_again[address] = asyncio.Event()
         try:
-            await asyncio.get_running_loop().create_future()
+            await ask.wait()
         finally:
-            self.modes.pop(address, None)  # dropped or renewed: asked again, or gone
+            self.modes.pop(address, None)  # asked again, or gone
+            if self._ask_again.get(address) is ask:
+                del self._ask_again[address]
+
+    def lost(self, address: str) -> None:
+        """The worker's health watch lost it (a restart, an upgrade in place).
+
+        One served per generation is asked for a Link again (its link task retries until it is back).
+        """
+        ask = self._ask_again.get(address)
+        if ask is not None:
+            ask.set()
 
     async def _serve(self, link: Link, reconnect: Reconnect) -> None:
         """Open the worker's Link and serve it until it breaks (raising how).
 
         When this task is cancelled (the worker dropped, its channel renewed, the router stopping), the session
-        takes no new attempts but keeps serving the ones on it until they end (or its channel is closed).
+        takes no new attempts but keeps serving the ones on it: the task ends once they have ended and the call is
+        closed (or its channel was), so a renewal closes the old channel only then.
         """
         call = link.stub(worker_pb2_grpc.WorkerStub).Link()
         try:
@@ -343,7 +416,7 @@ class LinkSessions:
         except BaseException:
             call.cancel()
             raise
-        session = self.sessions[link.address] = LinkSession(call, first.settings)
+        session = self.sessions[link.address] = LinkSession(call, first.settings, self.counters(link.address))
         self.modes[link.address] = "batched"
         reconnect.connected()
         serving = asyncio.create_task(_serve_session(session), name=f"worker link {link.address}")
@@ -356,12 +429,18 @@ class LinkSessions:
             task = asyncio.current_task()
             if task is not None and not task.cancelling():  # the call was cancelled under it, not this task
                 raise ConnectionError("the link's call was cancelled") from None
+            self._retire(link.address, session)
+            await asyncio.wait({serving})  # drain: no new starts, the streams on it finish, then its call closes
             raise
         finally:
-            if self.sessions.get(link.address) is session:
-                del self.sessions[link.address]
-                self.modes.pop(link.address, None)  # not known again until the next session opens
-            session.retire()
+            self._retire(link.address, session)
+
+    def _retire(self, address: str, session: LinkSession) -> None:
+        """The session takes no new attempts (the ones on it run to their end, then it closes its call)."""
+        if self.sessions.get(address) is session:
+            del self.sessions[address]
+            self.modes.pop(address, None)  # not known again until the next session opens
+        session.retire()
 
 
 def _ended(task: asyncio.Task[None]) -> None:

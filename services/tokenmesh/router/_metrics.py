@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -14,6 +14,9 @@ from tokenmesh.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, Tenant
 from tokenmesh.router._admission import Admission
 from tokenmesh.router._pool import WorkerPool
 from tokenmesh.v1 import inference_pb2, router_pb2
+
+LINK_MODES = ("batched", "per-generation", "unknown")
+"""The values of tokenmesh_router_worker_link's ``link`` label (RoutingEntry.link; ``unknown`` for its "")."""
 
 
 class RouterMetrics:
@@ -124,6 +127,18 @@ class RouterMetrics:
             ["applied"],
             registry=r,
         )
+        self.link_messages = Counter(
+            "tokenmesh_router_link_messages_total",
+            "LinkEvents messages read from the worker's Worker/Link (chunks per message: link_chunks / this)",
+            ["worker"],
+            registry=r,
+        )
+        self.link_chunks = Counter(
+            "tokenmesh_router_link_chunks_total",
+            "Chunks those messages carried, of every generation on the link",
+            ["worker"],
+            registry=r,
+        )
         self.propagation = Histogram(
             "tokenmesh_router_weight_table_propagation_seconds",
             "From the prober's decision to this router applying the table",
@@ -131,9 +146,15 @@ class RouterMetrics:
             registry=r,
         )
 
-    def watch(self, pool: WorkerPool, admission: Admission) -> None:
-        """Report the pool's and the queue's state at every scrape."""
-        self.registry.register(_PoolCollector(pool, admission))
+    def watch(self, pool: WorkerPool, admission: Admission, link_mode: Callable[[str], str] = lambda _: "") -> None:
+        """Report the pool's and the queue's state at every scrape (link_mode: RoutingEntry.link of a worker)."""
+        self.registry.register(_PoolCollector(pool, admission, link_mode))
+
+    def link_counters(self, worker: str) -> tuple[Counter, Counter] | None:
+        """The (messages, chunks) counters of a worker's link (None while metrics are off: nothing to count)."""
+        if not self.enabled:
+            return None
+        return self.link_messages.labels(worker), self.link_chunks.labels(worker)
 
     def refused(self, outcome: str, tenant: str) -> None:
         """A generation refused before it had a model (bad input, unknown model, draining): model label ''."""
@@ -242,9 +263,10 @@ _OFF = _Off()
 class _PoolCollector(Collector):
     """Per-worker state and the queue, read from the pool when Prometheus scrapes."""
 
-    def __init__(self, pool: WorkerPool, admission: Admission) -> None:
+    def __init__(self, pool: WorkerPool, admission: Admission, link_mode: Callable[[str], str]) -> None:
         self._pool = pool
         self._admission = admission
+        self._link_mode = link_mode
 
     def collect(self) -> Iterator[Metric]:
         pool = self._pool
@@ -262,6 +284,12 @@ class _PoolCollector(Collector):
         state = GaugeMetricFamily(
             "tokenmesh_router_worker_state", "1 for the worker's state, 0 for the others", labels=["worker", "state"]
         )
+        link = GaugeMetricFamily(
+            "tokenmesh_router_worker_link",
+            "1 for how generations reach the worker: batched (one Worker/Link), per-generation (a Worker/Generate "
+            "call each), unknown (its link is being opened)",
+            labels=["worker", "link"],
+        )
         states = [label(s, router_pb2.WorkerState) for s in router_pb2.WorkerState.values()]
         for row in pool.table().workers:
             in_flight.add_metric([row.address], row.in_flight)
@@ -270,7 +298,10 @@ class _PoolCollector(Collector):
             current = label(row.state, router_pb2.WorkerState)
             for name in states:
                 state.add_metric([row.address, name], 1.0 if name == current else 0.0)
-        yield from (in_flight, limit, weight, state)
+            mode = self._link_mode(row.address) or "unknown"
+            for name in LINK_MODES:
+                link.add_metric([row.address, name], 1.0 if name == mode else 0.0)
+        yield from (in_flight, limit, weight, state, link)
         yield GaugeMetricFamily(
             "tokenmesh_router_queued", "Generations waiting in the admission queue", value=len(self._admission.waiting)
         )

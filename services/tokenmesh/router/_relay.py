@@ -298,15 +298,19 @@ class Relay:
     def _open(self, address: str, start: worker_pb2.WorkerCommand, trace_context: dict[str, str] | None) -> WorkerCall:
         """The attempt's stream: on the worker's Link when one is open, else a Generate call (a spare, untraced).
 
-        A link carries no per-generation metadata: a traced generation's context goes in its start command.
+        A link carries no per-generation metadata: a traced attempt's context goes in its start command.
         """
         session = self._sessions.get(address)
         if session is None:
             call: WorkerCall = self._spares.take(address, trace_context)
             return call
-        if trace_context and not start.trace_context:
-            start.trace_context.update(trace_context)
-        return session.attempt()
+        attempt = session.attempt()
+        if trace_context:  # traced: the attempt's own span is the worker's parent, as a Generate call's RPC span
+            tracer = self._sessions.tracer
+            start.trace_context.update(
+                trace_context if tracer is None else attempt.trace(tracer, trace_context, address)
+            )
+        return attempt
 
     async def _start(
         self,

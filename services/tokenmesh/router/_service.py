@@ -32,9 +32,9 @@ from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._peers import FORWARDED, Peers
 from tokenmesh.router._pool import WorkerPool
 from tokenmesh.router._tables import check_table
-from tokenmesh.server import WORKER_CHANNEL_OPTIONS, ServiceHost, write_ready_file
+from tokenmesh.server import LINK_CHANNEL_OPTIONS, WORKER_CHANNEL_OPTIONS, ServiceHost, write_ready_file
 from tokenmesh.tls import Tls
-from tokenmesh.tracing import Tracing
+from tokenmesh.tracing import Tracing, rpc_spans_for
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -201,9 +201,12 @@ class Router(Service):
         self.metrics = RouterMetrics(config.metrics_tenants, enabled=bool(config.metrics_port))
         self.metrics_endpoint = None
         self.tls.denied = lambda group: self.metrics.denied.labels(group).inc()
-        self.metrics.watch(self.pool, self.admission)
+        self.metrics.watch(self.pool, self.admission, self._link_mode)
         self.inference = InferenceServicer(config, self.pool, self.links, self.admission, self.metrics)
         self.inference.tracer = self.tracing.tracer
+        self.inference.sessions.counters = self.metrics.link_counters
+        if self.tracing.on and rpc_spans_for(worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name):
+            self.inference.sessions.tracer = self.tracing.tracer  # a span per link stream, as per Generate call
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterServicer(self.pool, self.admission, self._link_mode), host.server
@@ -230,7 +233,7 @@ class Router(Service):
             link = self.links.open(address)
             link.run("health watch", self._watch_worker)
             if self.config.worker_link == "auto":
-                link.run(LINK, self.inference.sessions.run)
+                link.run(LINK, self.inference.sessions.run, options=LINK_CHANNEL_OPTIONS)
 
     def _found(self, address: str, name: str) -> None:
         self._watch(address, f"dns {name}")
@@ -271,6 +274,7 @@ class Router(Service):
                 raise StreamEnded("health stream ended")
             except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
                 self.pool.set_health(entry, False, f"unreachable: {failure_name(exc)}")
+                self.inference.sessions.lost(link.address)  # restarted, perhaps upgraded: Link is asked again
                 raise
 
         await reconnect.run(session)

@@ -45,6 +45,11 @@ class WorkerConfig(ServerSettings, TlsSettings):
     resume_grace_s: float = setting(30.0, "how long a generation whose stream dropped is kept (running) for Resume")
     replay_buffer_bytes: int = setting(1024 * 1024, "per-generation replay buffer; a reader further behind fails")
     memory_threshold: float = setting(0.92, "device memory fraction above which no generation is added")
+    link_linger_us: int = setting(
+        1000,
+        "on a router's Worker/Link with 2 or more streams, wait up to this long (0-1000 us) for more of them "
+        "to have a chunk before a send holds fewer chunks than streams (never with one stream alone)",
+    )
     drain_grace_s: float = setting(30.0, "on SIGTERM, how long in-flight generations may take to finish")
     backend_restart_timeout_s: float = setting(
         600.0,
@@ -70,6 +75,7 @@ class WorkerConfig(ServerSettings, TlsSettings):
             f"backend_restart_timeout_s must be > 0, got {self.backend_restart_timeout_s}",
         )
         check(self.resume_grace_s > 0, f"resume_grace_s must be > 0, got {self.resume_grace_s}")
+        check(0 <= self.link_linger_us <= 1000, f"link_linger_us must be 0..1000, got {self.link_linger_us}")
         check(self.replay_buffer_bytes >= 4096, f"replay_buffer_bytes must be >= 4096, got {self.replay_buffer_bytes}")
         if self.model_repository:
             check(Path(self.model_repository).is_dir(), f"model_repository {self.model_repository!r} is not a folder")

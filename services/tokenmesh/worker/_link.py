@@ -15,6 +15,12 @@ stream's credit, which the router returns as its caller reads. A stream
 without credit is not taken; its record merges and, past the replay buffer,
 the stream alone ends with READER_TOO_SLOW. Merging only in the record keeps
 every seq a reader saw valid for Resume.
+
+Linger (``--link-linger-us``, off at 0): with streams on their own phases a
+send often holds one chunk (batches of one, a gRPC message each). With 2 or
+more streams on the link and fewer of them ready than it carries, a send waits
+up to the linger for the rest (it goes at once when every stream is ready):
+never with one stream alone, never longer than the bound (at most 1 ms).
 """
 
 from __future__ import annotations
@@ -132,6 +138,7 @@ class WorkerLink:
         begin: starts a generation as Generate does (admission, span, record).
         stop: what a cancel command does on Generate.
         release: what Generate does when its stream ends.
+        linger_s: how long a send may wait for more of its streams to have a chunk (see the module).
 
     """
 
@@ -144,17 +151,23 @@ class WorkerLink:
     """The highest stream id started: ids increase and are never reused on a call."""
     closing: bool
     """The router half-closed: the call ends once every stream has (starts are no longer possible)."""
+    linger_s: float
+    """How long a send may wait for more streams to be ready (0: never)."""
+    _lingering: bool
+    """A send waits for more streams: a stream that becomes ready wakes it only once every stream is."""
     _wake: asyncio.Future[None] | None
 
-    def __init__(self, begin: Begin, stop: Stop, release: Release) -> None:
+    def __init__(self, begin: Begin, stop: Stop, release: Release, *, linger_s: float = 0.0) -> None:
         self._begin = begin
         self._stop = stop
         self._release = release
+        self.linger_s = linger_s
         self.streams = {}
         self.ready = {}
         self.ends = []
         self.last_stream = 0
         self.closing = False
+        self._lingering = False
         self._wake = None
 
     async def run(self, commands: AsyncIterator[worker_pb2.LinkCommands]) -> AsyncIterator[worker_pb2.LinkEvents]:
@@ -169,6 +182,8 @@ class WorkerLink:
         try:
             yield worker_pb2.LinkEvents(settings=SETTINGS)
             while True:
+                if self.linger_s and self._partial():
+                    await self._linger()
                 message = self._take()
                 if message is not None:
                     yield message  # the one await: meanwhile the engine's output merges in the records
@@ -193,6 +208,23 @@ class WorkerLink:
         finally:
             self._wake = None
 
+    def _partial(self) -> bool:
+        """A send now would hold fewer streams' chunks than the link carries (2 or more), and no end waits."""
+        return bool(self.ready) and 2 <= len(self.streams) > len(self.ready) and not self.ends
+
+    async def _linger(self) -> None:
+        """Wait until every stream is ready, or the linger has passed (one timer, not a sleep per stream)."""
+        loop = asyncio.get_running_loop()
+        self._wake = loop.create_future()
+        self._lingering = True
+        timer = loop.call_later(self.linger_s, self._kick)
+        try:
+            await self._wake
+        finally:
+            timer.cancel()
+            self._lingering = False
+            self._wake = None
+
     def _kick(self) -> None:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
@@ -202,7 +234,8 @@ class WorkerLink:
         if linked.starved():
             return  # credit will mark it; the record merges meanwhile
         self.ready[linked.stream] = linked
-        self._kick()
+        if not self._lingering or len(self.ready) >= len(self.streams):
+            self._kick()
 
     # -- commands -------------------------------------------------------------------------------------------------
 

@@ -79,6 +79,7 @@ class Worker(Service):
             resume_grace_s=config.resume_grace_s,
             replay_buffer_bytes=config.replay_buffer_bytes,
             memory_threshold=config.memory_threshold,
+            link_linger_s=config.link_linger_us / 1e6,
         )
         self.servicer.metrics.enabled = bool(config.metrics_port)
         tls.denied = lambda group: self.servicer.metrics.denied.labels(group).inc()

@@ -74,6 +74,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         resume_grace_s: how long a generation whose stream dropped is kept for Attach.
         replay_buffer_bytes: per-generation replay buffer.
         memory_threshold: device memory fraction above which no generation is added.
+        link_linger_s: how long a Link's send may wait for more of its streams to have a chunk (``--link-linger-us``).
 
     """
 
@@ -95,6 +96,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Set while no generation is in flight (the drain waits for it)."""
     tracer: trace.Tracer
     """Spans per generation (OpenTelemetry's no-op tracer while tracing is off)."""
+    link_linger_s: float
+    """How long a Link's send may wait for more of its streams to have a chunk (0: never; see WorkerLink)."""
     _backend: Backend
     _devices: DeviceReader | None
     _cuda_visible_devices: str
@@ -108,8 +111,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         resume_grace_s: float = 30.0,
         replay_buffer_bytes: int = 1024 * 1024,
         memory_threshold: float = 0.92,
+        link_linger_s: float = 0.0,
     ) -> None:
         self._backend = backend
+        self.link_linger_s = link_linger_s
         self._devices = devices
         self._cuda_visible_devices = cuda_visible_devices
         self.tracer = trace.NoOpTracer()
@@ -339,7 +344,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request_iterator: AsyncIterator[worker_pb2.LinkCommands], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.LinkEvents]:
         """Every generation of one router on one call: starts, cancels and credit in; batched chunks and ends out."""
-        link = WorkerLink(self._begin, self._stop, lambda record, resumable: self._release(record, resumable=resumable))
+        link = WorkerLink(
+            self._begin,
+            self._stop,
+            lambda record, resumable: self._release(record, resumable=resumable),
+            linger_s=self.link_linger_s,
+        )
         async for events in link.run(request_iterator):
             yield events
 
