@@ -30,7 +30,8 @@ TOKENS = 40
 TOKENS_PER_S = 500
 """The synthetic model's rate: a 400-token generation runs ~0.8 s, long enough to drop or cancel it mid-stream."""
 GOOGLEAPIS = Path(google.rpc.status_pb2.__file__).parents[2]
-"""googleapis-common-protos' folder, which holds google/rpc/*.proto: the caller decodes errors' details with it."""
+"""googleapis-common-protos' folder, which holds google/rpc/*.proto: inference.proto imports status.proto, and the
+caller decodes errors' details with it."""
 
 
 def node(handle: MeshHandle, scenario: str, **options: Any) -> Any:
@@ -39,7 +40,7 @@ def node(handle: MeshHandle, scenario: str, **options: Any) -> Any:
     if executable is None or not (ROOT / "node_modules" / "@grpc" / "grpc-js").is_dir():
         pytest.fail("node or node_modules missing: `make test-deps` installs nodejs and runs npm ci")
     done = subprocess.run(
-        [executable, str(CALLER), scenario, handle.address, json.dumps(options)],
+        [executable, str(CALLER), scenario, handle.address, json.dumps({"googleapis": str(GOOGLEAPIS), **options})],
         capture_output=True,
         text=True,
         timeout=90,
@@ -130,7 +131,7 @@ def fields_at_fault(seen: dict[str, Any]) -> list[str]:
 
 
 def test_refusals_are_grpc_statuses_with_their_messages_and_details(synthetic_mesh: MeshHandle) -> None:
-    seen = node(synthetic_mesh, "errors", googleapis=str(GOOGLEAPIS))
+    seen = node(synthetic_mesh, "errors")
 
     both = seen["prompt_and_messages"]
     assert (both["code"], both["details"]) == ("INVALID_ARGUMENT", "set either prompt or messages, not both")

@@ -32,6 +32,10 @@ async def test_tables_reach_the_router_and_are_acked(mesh: InProcessMesh) -> Non
         assert time.monotonic() - started < 2
         assert pool.entries[down.host.address].state == router_pb2.WORKER_STATE_NOT_SERVING
 
+        # Its next stats, taken while it does not serve, take its limit out of the table (0: not measured serving).
+        await wait_until(
+            lambda: [w.concurrency_limit for w in prober.table.workers if w.address == down.host.address] == [0]
+        )
         # An unchanged table is not pushed again. Proving that nothing happens takes a wait:
         # 0.3 s is six recompute rounds (interval_s 0.05), each of which would have pushed a change.
         version = prober.table.version

@@ -2,12 +2,13 @@
 // run time by @grpc/proto-loader (no generated code). tests/integration/test_node_client.py runs it against a real
 // mesh and asserts on what it prints.
 //
-//   node tests/support/node/caller.js <scenario> <router host:port> [json options]
+//   node tests/support/node/caller.js <scenario> <router host:port> {"googleapis": <folder>, ...options}
 //
 // It prints one JSON object: what the caller saw (chunks, codes, messages, error details), never a verdict, so the
-// expectations live in the Python test. Scenarios: generate, resume, cancel, errors. Options may name
-// `googleapis`, a folder holding google/rpc/*.proto (googleapis-common-protos): errors' google.rpc details are then
-// decoded from the grpc-status-details-bin trailer, as any caller reads the facts of an error.
+// expectations live in the Python test. Scenarios: generate, resume, cancel, errors. `googleapis` names a folder
+// holding google/rpc/*.proto (googleapis-common-protos): inference.proto imports google/rpc/status.proto (a
+// GenerateStream stream's end), and errors' google.rpc details are decoded from the grpc-status-details-bin
+// trailer with it, as any caller reads the facts of an error.
 "use strict";
 
 const path = require("node:path");
@@ -19,8 +20,11 @@ const PROTOS = path.resolve(__dirname, "..", "..", "..", "protos");
 const LOAD_OPTIONS = { keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true, includeDirs: [PROTOS] };
 const DEADLINE_MS = 60_000;
 
-function inferenceClient(address) {
-  const definition = protoLoader.loadSync("tokenmesh/v1/inference.proto", LOAD_OPTIONS);
+function inferenceClient(address, googleapis) {
+  const definition = protoLoader.loadSync("tokenmesh/v1/inference.proto", {
+    ...LOAD_OPTIONS,
+    includeDirs: [PROTOS, googleapis],
+  });
   const { Inference } = grpc.loadPackageDefinition(definition).tokenmesh.v1;
   return new Inference(address, grpc.credentials.createInsecure());
 }
@@ -138,8 +142,9 @@ async function main() {
     throw new Error(`usage: caller.js <${Object.keys(SCENARIOS).join("|")}> <host:port> [json options]`);
   }
   const { googleapis, ...settings } = JSON.parse(options);
-  if (googleapis) rpcTypes = loadRpcTypes(googleapis);
-  const client = inferenceClient(address);
+  if (!googleapis) throw new Error("give the googleapis folder (google/rpc/*.proto) in the options");
+  rpcTypes = loadRpcTypes(googleapis);
+  const client = inferenceClient(address, googleapis);
   try {
     const result = await SCENARIOS[scenario](client, settings);
     process.stdout.write(`${JSON.stringify(result)}\n`);

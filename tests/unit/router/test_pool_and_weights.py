@@ -268,7 +268,7 @@ def test_round_robin_and_least_loaded_policies() -> None:
     assert pool.pick("m").address == "b:1"
 
 
-def test_a_limit_measured_before_the_worker_served_is_not_published() -> None:
+async def test_a_limit_measured_before_the_worker_served_is_not_published() -> None:
     prober = Prober(ProberConfig(port=0, workers=("a:1", "b:1")))
     prober.views["a:1"] = view(serving=False, concurrency_limit=1)  # stats from before its model loaded
     prober.views["b:1"] = view(serving=True, concurrency_limit=64)
