@@ -65,6 +65,12 @@ class RouterConfig(ServerSettings, TlsSettings):
         "with UNAVAILABLE (never started: retry). Bounds what one "
         "caller makes the router hold",
     )
+    stream_linger_us: int = setting(
+        1000,
+        "on a busy Inference/GenerateStream call (its previous message left less than this ago) with 2 or more "
+        "streams, wait up to this long (0-1000 us) for more of them to have a chunk before a send holds fewer "
+        "chunks than streams (never with one stream alone, never on a quiet call)",
+    )
     max_queue: int = setting(256, "generations that may wait for a worker slot; more get RESOURCE_EXHAUSTED")
     queue_timeout_s: float = setting(30.0, "longest wait for a worker slot before RESOURCE_EXHAUSTED")
     aging_s: float = setting(5.0, "a waiting generation rises one priority level per this many seconds")
@@ -94,6 +100,7 @@ class RouterConfig(ServerSettings, TlsSettings):
         check(self.failover_wait_s >= 0, f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
         check(self.worker_link in WORKER_LINK, f"worker_link must be auto or off, got {self.worker_link!r}")
         check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        check(0 <= self.stream_linger_us <= 1000, f"stream_linger_us must be 0..1000, got {self.stream_linger_us}")
         check(self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}")
         check(
             self.max_streams_per_connection >= 1,

@@ -456,6 +456,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._drains,
             self.metrics.stream_message,
             stream_settings(self._config.max_streams_per_connection),
+            linger_s=self._config.stream_linger_us / 1e6,
         )
         self.stream_calls.add(session)
         try:

@@ -157,6 +157,12 @@ class Logical:
     """Its own deadline passed (its task was cancelled for it)."""
 
 
+def _urgent(logical: Logical) -> bool:
+    """What a linger must not hold: a generation's first chunk, its final chunk, or its end."""
+    pending = logical.pending
+    return logical.end is not None or bool(pending and (pending[0].seq == 1 or pending[-1].finish_reason))
+
+
 class StreamSession:
     """One ``Inference/GenerateStream`` call: its streams by id, the ready set, and the send loop.
 
@@ -168,6 +174,8 @@ class StreamSession:
         draining: whether the router drains (the call ends once its streams have).
         sent: told the number of chunks of each message taken to be sent (the router's metrics).
         announced: the call's settings (sent first).
+        linger_s: how long a send may wait for more of its streams to have a chunk, while the call is busy (see
+            ``_should_linger``; 0: never).
 
     """
 
@@ -189,6 +197,10 @@ class StreamSession:
     _draining: Callable[[], bool]
     _sent: Callable[[int], None]
     _wake: asyncio.Future[None] | None
+    linger_s: float
+    _lingering: bool
+    _last_send: float
+    """time.monotonic() of the latest message taken."""
 
     def __init__(
         self,
@@ -199,8 +211,12 @@ class StreamSession:
         draining: Callable[[], bool],
         sent: Callable[[int], None] = lambda _: None,
         announced: inference_pb2.StreamSettings = DEFAULTS,
+        linger_s: float = 0.0,
     ) -> None:
         self.settings = announced
+        self.linger_s = linger_s
+        self._lingering = False
+        self._last_send = 0.0
         self._call = call
         self._source = source
         self._cancel = cancel
@@ -230,8 +246,11 @@ class StreamSession:
             while True:
                 if reader.done():
                     reader.result()  # a message that did not parse ends the call with its status
+                if self._should_linger():
+                    await self._linger()
                 message = self._take()
                 if message is not None:
+                    self._last_send = time.monotonic()
                     yield message  # the one await: meanwhile the streams' chunks pile up for the next message
                     continue
                 if not self.streams and not self.ends:
@@ -261,6 +280,36 @@ class StreamSession:
         finally:
             self._wake = None
 
+    def _should_linger(self) -> bool:
+        """Whether this send should wait a little for more streams' chunks (batches of one cost a message each).
+
+        Only while the call is busy (its previous message left less than the linger ago: at a message rate where
+        a send per chunk is what costs), when 2 or more streams are open and fewer are ready, and nothing urgent
+        waits: a generation's first chunk (its TTFT), a final chunk or an end go at once, as does everything on a
+        quiet call or with a lone stream.
+        """
+        return (
+            self.linger_s > 0
+            and bool(self.ready)
+            and 2 <= len(self.streams) > len(self.ready)
+            and not self.ends
+            and time.monotonic() - self._last_send < self.linger_s
+            and not any(_urgent(logical) for logical in self.ready.values())
+        )
+
+    async def _linger(self) -> None:
+        """Wait until every stream is ready, or the linger has passed (one timer, not a sleep per stream)."""
+        loop = asyncio.get_running_loop()
+        self._wake = loop.create_future()
+        self._lingering = True
+        timer = loop.call_later(self.linger_s, self.kick)
+        try:
+            await self._wake
+        finally:
+            timer.cancel()
+            self._lingering = False
+            self._wake = None
+
     def kick(self) -> None:
         """Wake the send loop if it is idle (something to take, the commands ended, or the router drains)."""
         if self._wake is not None and not self._wake.done():
@@ -268,7 +317,8 @@ class StreamSession:
 
     def _mark(self, logical: Logical) -> None:
         self.ready[logical.stream] = logical
-        self.kick()
+        if not self._lingering or len(self.ready) >= len(self.streams) or _urgent(logical):
+            self.kick()
 
     # -- commands -------------------------------------------------------------------------------------------------
 

@@ -209,8 +209,16 @@ class WorkerLink:
             self._wake = None
 
     def _partial(self) -> bool:
-        """A send now would hold fewer streams' chunks than the link carries (2 or more), and no end waits."""
-        return bool(self.ready) and 2 <= len(self.streams) > len(self.ready) and not self.ends
+        """A send now would hold fewer streams' chunks than the link carries (2 or more), and nothing urgent waits.
+
+        Urgent: a refusal, a generation's first event (its TTFT) or the end of one that finished.
+        """
+        return (
+            bool(self.ready)
+            and 2 <= len(self.streams) > len(self.ready)
+            and not self.ends
+            and not any(linked.position == 0 or linked.record.done for linked in self.ready.values())
+        )
 
     async def _linger(self) -> None:
         """Wait until every stream is ready, or the linger has passed (one timer, not a sleep per stream)."""
@@ -234,8 +242,8 @@ class WorkerLink:
         if linked.starved():
             return  # credit will mark it; the record merges meanwhile
         self.ready[linked.stream] = linked
-        if not self._lingering or len(self.ready) >= len(self.streams):
-            self._kick()
+        if not self._lingering or len(self.ready) >= len(self.streams) or linked.position == 0 or linked.record.done:
+            self._kick()  # everything is ready, or something a linger must not hold (a first event, an end)
 
     # -- commands -------------------------------------------------------------------------------------------------
 

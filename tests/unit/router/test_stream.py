@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -81,7 +82,7 @@ async def settle() -> None:
 
 
 def opened(
-    script: Script, announced: inference_pb2.StreamSettings = _stream.DEFAULTS
+    script: Script, announced: inference_pb2.StreamSettings = _stream.DEFAULTS, linger_s: float = 0.0
 ) -> tuple[StreamSession, AsyncIterator[inference_pb2.StreamEvents]]:
     async def cancel(context: StreamContext) -> None:
         return None
@@ -93,6 +94,7 @@ def opened(
         script.count,
         lambda: False,
         announced=announced,
+        linger_s=linger_s,
     )
     return session, session.run(script.requests())
 
@@ -188,3 +190,31 @@ async def test_a_streams_context_merges_its_metadata_over_the_calls_and_bounds_i
     remaining = own.time_remaining()
     assert remaining is not None and 29 < remaining <= 30
     assert inherited.time_remaining() is None
+
+
+async def test_a_busy_call_lingers_for_its_other_streams_but_never_holds_a_first_chunk_or_a_quiet_call() -> None:
+    script = Script()
+    _, events = opened(script, linger_s=0.3)  # far above a loop turn, so a busy machine cannot blur it
+    await anext(events)
+    script.send(start(1), start(2), start(3))
+    script.put(1, "a")
+    script.put(2, "b")
+    assert columns(await anext(events)) == [(1, 1, "a"), (2, 1, "b")]  # first chunks: at once
+    script.put(1, "c")  # busy (the last message just left), stream 3 not ready: this send waits for it
+    sent = time.monotonic()
+    pending = asyncio.ensure_future(anext(events))
+    await asyncio.sleep(0.1)
+    assert not pending.done()
+    script.put(2, "d")
+    script.put(3, "e")  # every stream ready: the wait ends before its bound
+    assert columns(await pending) == [(1, 2, "c"), (2, 2, "d"), (3, 1, "e")]
+    assert time.monotonic() - sent < 0.3
+    script.put(1, "f")  # busy again, 2 and 3 silent: waits the whole bound, and no longer
+    sent = time.monotonic()
+    assert columns(await anext(events)) == [(1, 3, "f")]
+    assert 0.25 < time.monotonic() - sent < 0.3 + 0.2
+    await asyncio.sleep(0.4)  # quiet now: the next send goes at once
+    script.put(2, "g")
+    sent = time.monotonic()
+    assert columns(await anext(events)) == [(2, 3, "g")]
+    assert time.monotonic() - sent < 0.15
