@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 
 from tokenmesh.errors import rpc_error
+from tokenmesh.outbox import Outbox
 from tokenmesh.v1 import inference_pb2
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,12 @@ class Stream:
         return self._ended or self._closed
 
 
+def _stream_commands(
+    commands: list[inference_pb2.StreamCommand], credit_stream: list[int], credit_bytes: list[int]
+) -> inference_pb2.StreamCommands:
+    return inference_pb2.StreamCommands(commands=commands, credit_stream=credit_stream, credit_bytes=credit_bytes)
+
+
 class StreamSession:
     """One open GenerateStream call: its streams by id, and the commands and credit waiting for the writer.
 
@@ -195,11 +202,7 @@ class StreamSession:
     retired: bool
     """Takes no new streams (its channel was renewed): the call is closed once the last stream on it ended."""
     _next: int
-    _commands: list[inference_pb2.StreamCommand]
-    _credit: dict[int, int]
-    _flush: asyncio.Event
-    _written: asyncio.Event
-    """Set while nothing waits to be written (close() lets the last cancels go first)."""
+    outbox: Outbox[inference_pb2.StreamCommand]
     _open: bool
     _task: asyncio.Task[None] | None
     _slot_waiters: deque[asyncio.Future[None]]
@@ -214,11 +217,7 @@ class StreamSession:
         self.max_command_bytes = (settings.max_batch_bytes or DEFAULT_MAX_BATCH_BYTES) - COMMAND_MARGIN
         self.retired = False
         self._next = 0
-        self._commands = []
-        self._credit = {}
-        self._flush = asyncio.Event()
-        self._written = asyncio.Event()
-        self._written.set()
+        self.outbox = Outbox(_stream_commands, self.max_command_bytes)
         self._open = True
         self._task = None
         self._slot_waiters = deque()
@@ -268,16 +267,12 @@ class StreamSession:
         return stream
 
     def _send(self, command: inference_pb2.StreamCommand) -> None:
-        self._commands.append(command)
-        self._flush.set()
-        self._written.clear()
+        self.outbox.send(command)
 
     def grant(self, stream: int, credit: int) -> None:
         """Return credit to a stream in the writer's next message."""
         if stream in self.streams:
-            self._credit[stream] = self._credit.get(stream, 0) + credit
-            self._flush.set()
-            self._written.clear()
+            self.outbox.grant(stream, credit)
 
     def cancel(self, stream: int) -> None:
         """Stop a stream's generation (as Inference/Cancel)."""
@@ -287,7 +282,7 @@ class StreamSession:
     def detach(self, stream: int) -> None:
         """The client let go of a stream the router has not ended: nothing more is sent for it."""
         if self.streams.pop(stream, None) is not None and self._open:
-            self._credit.pop(stream, None)
+            self.outbox.forget(stream)
             self._send(inference_pb2.StreamCommand(stream=stream, detach=inference_pb2.StreamDetach()))
             if self._slot_waiters:
                 self._freed()
@@ -326,34 +321,8 @@ class StreamSession:
             self.fail(code, message)
 
     async def write_loop(self) -> None:
-        """Everything pending when it runs, as one message; what comes during a write goes in the next."""
-        while True:
-            await self._flush.wait()
-            self._flush.clear()
-            credit, self._credit = self._credit, {}
-            message = inference_pb2.StreamCommands(
-                commands=self._take_commands(), credit_stream=list(credit), credit_bytes=list(credit.values())
-            )
-            if self._commands:
-                self._flush.set()  # the rest goes in the next message
-            try:
-                await self.call.write(message)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-                return  # the call ended: the reader sees how, and fails the streams
-            if not self._flush.is_set():
-                self._written.set()
-
-    def _take_commands(self) -> list[inference_pb2.StreamCommand]:
-        """The pending commands that fit in max_batch_bytes (at least one): an oversized message would end the call."""
-        limit = self.max_command_bytes
-        size = 0
-        for taken, command in enumerate(self._commands):
-            size += command.ByteSize() + 8  # its tag and length
-            if size > limit and taken:
-                batch, self._commands = self._commands[:taken], self._commands[taken:]
-                return batch
-        batch, self._commands = self._commands, []
-        return batch
+        """Everything pending when it runs, as one message, until the call ends (the reader fails the streams)."""
+        await self.outbox.write_loop(self.call)
 
     async def read_loop(self) -> None:
         """Deliver every message to its streams until the call ends (then raise how, or return at its end)."""
@@ -387,8 +356,7 @@ class StreamSession:
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """The call ended: every stream on it raises a broken-stream error (each is resumed elsewhere)."""
         self._open = False
-        self._commands.clear()
-        self._credit.clear()
+        self.outbox.clear()
         streams, self.streams = self.streams, {}
         for stream in streams.values():  # an exception each: raised in many tasks, one would share its traceback
             stream.put(broken(code, message), last=True)
@@ -396,11 +364,11 @@ class StreamSession:
 
     async def close(self, grace_s: float = 1.0) -> None:
         """End the call and its tasks (streams on it break), once what is queued (cancels) is written or grace_s."""
-        if self._open and not self._written.is_set():
+        if self._open:
             # A cancel still queued would be lost with the call, and the router would keep that generation for
             # Resume (the client gives every generation an id): it goes first.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._written.wait(), grace_s)
+                await asyncio.wait_for(self.outbox.written(), grace_s)
         self.call.cancel()
         if self._task is not None:
             self._task.cancel()

@@ -34,6 +34,7 @@ from prometheus_client import Counter
 
 from tokenmesh.errors import label, rpc_error
 from tokenmesh.links import Link
+from tokenmesh.outbox import Outbox
 from tokenmesh.retry import Reconnect
 from tokenmesh.router._outcome import WorkerFailed
 from tokenmesh.tracing import from_mapping, inject
@@ -179,6 +180,12 @@ class Attempt:
         return self._ended or self._closed
 
 
+def _link_commands(
+    commands: list[worker_pb2.LinkCommand], credit_stream: list[int], credit_bytes: list[int]
+) -> worker_pb2.LinkCommands:
+    return worker_pb2.LinkCommands(commands=commands, credit_stream=credit_stream, credit_bytes=credit_bytes)
+
+
 class LinkSession:
     """One open Worker/Link call: its attempts by stream id, and the commands and credit waiting for the writer.
 
@@ -195,11 +202,9 @@ class LinkSession:
     grant_at: int
     """Credit owed by an attempt that is returned in one grant: a quarter of the window."""
     _next: int
-    _commands: list[worker_pb2.LinkCommand]
-    _credit: dict[int, int]
+    outbox: Outbox[worker_pb2.LinkCommand]
     retired: bool
     """Out of ``sessions`` (its link task was cancelled): it serves the attempts on it, and no new ones."""
-    _flush: asyncio.Event
     _open: bool
     _counters: tuple[Counter, Counter] | None
     """Messages read and the chunks they carried (None: metrics off)."""
@@ -213,9 +218,9 @@ class LinkSession:
         self.attempts = {}
         self.grant_at = max(1, settings.default_window_bytes // 4)
         self._next = 0
-        self._commands = []
-        self._credit = {}
-        self._flush = asyncio.Event()
+        # Many big prompts queued during one write must not make a message over the call's limit, which would end
+        # the link and every stream on it.
+        self.outbox = Outbox(_link_commands, settings.max_batch_bytes or DEFAULT_MAX_BATCH_BYTES)
         self._open = True
         self.retired = False
 
@@ -232,13 +237,11 @@ class LinkSession:
 
     def send(self, command: worker_pb2.LinkCommand) -> None:
         """Queue a command for the writer's next message."""
-        self._commands.append(command)
-        self._flush.set()
+        self.outbox.send(command)
 
     def grant(self, stream: int, credit: int) -> None:
         """Return credit to a stream in the writer's next message."""
-        self._credit[stream] = self._credit.get(stream, 0) + credit
-        self._flush.set()
+        self.outbox.grant(stream, credit)
 
     def detach(self, stream: int) -> None:
         """The router let go of a stream the worker has not ended."""
@@ -256,36 +259,8 @@ class LinkSession:
             self.call.cancel()  # the worker releases what is left: resumable generations run on for Attach
 
     async def write_loop(self) -> None:
-        """Everything pending when it runs, as one message; what comes during a write goes in the next."""
-        while True:
-            await self._flush.wait()
-            self._flush.clear()
-            credit, self._credit = self._credit, {}
-            message = worker_pb2.LinkCommands(
-                commands=self._take_commands(), credit_stream=list(credit), credit_bytes=list(credit.values())
-            )
-            if self._commands:
-                self._flush.set()  # the rest goes in the next message
-            try:
-                await self.call.write(message)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-                return  # the call ended: the reader sees how, and fails the attempts
-
-    def _take_commands(self) -> list[worker_pb2.LinkCommand]:
-        """The pending commands that fit in max_batch_bytes (at least one).
-
-        Many big prompts queued during one write must not make a message over the call's limit, which would end
-        the link and every stream on it.
-        """
-        limit = self.settings.max_batch_bytes or DEFAULT_MAX_BATCH_BYTES
-        size = 0
-        for taken, command in enumerate(self._commands):
-            size += command.ByteSize()
-            if size > limit and taken:
-                batch, self._commands = self._commands[:taken], self._commands[taken:]
-                return batch
-        batch, self._commands = self._commands, []
-        return batch
+        """Everything pending when it runs, as one message, until the call ends (the reader fails the attempts)."""
+        await self.outbox.write_loop(self.call)
 
     async def read_loop(self) -> None:
         """Deliver every message to its attempts until the call ends (then raise how it ended)."""
