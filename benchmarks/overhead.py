@@ -12,6 +12,9 @@ one shared ``Inference/GenerateStream`` call; with --api generate, one
 ``Inference/Generate`` call each) and direct Triton (``stream_infer`` to
 the workers' Tritons, each request to the one with the fewest outstanding).
 
+The router reads its environment (``TOKENMESH_ROUTER_STREAM_INTERVAL_MS=20``
+paces the mesh's chunks; the ITL rows show it).
+
 Prints per level: TTFT p50 and p99 overhead (mesh - direct, ms), TPOT ratio,
 output throughput ratio, each as the median over blocks with its min..max
 spread, so the reader sees whether a difference is beyond the noise. Targets
@@ -42,11 +45,14 @@ from tokenmesh.mesh import MeshConfig
 
 
 def block_figures(results: list[RequestResult]) -> dict[str, float]:
-    """The per-block figures compared: TTFT p50/p99 (ms), TPOT mean (ms), output tokens/s, errors."""
+    """The per-block figures compared: TTFT p50/p99, ITL p50/p99, TPOT mean (ms), output tokens/s, errors."""
     s = summarize(results)
+    itl = s["itl_s"] or {"p50": 0.0, "p99": 0.0}  # none when every request came in one chunk
     return {
         "ttft_p50": s["ttft_s"]["p50"] * 1000,
         "ttft_p99": s["ttft_s"]["p99"] * 1000,
+        "itl_p50": itl["p50"] * 1000,
+        "itl_p99": itl["p99"] * 1000,
         "tpot": s["tpot_s"]["mean"] * 1000,
         "tokens_per_s": s["output_tokens_per_s"],
         "errors": float(s["requests"] - s["successful"]),
@@ -111,6 +117,8 @@ def report(found: dict[int, dict[str, list[dict[str, float]]]], args: argparse.N
         for label, key in (
             ("TTFT p50 (ms)", "ttft_p50"),
             ("TTFT p99 (ms)", "ttft_p99"),
+            ("ITL p50 (ms)", "itl_p50"),  # a chunk's gap: the interval, with the router's --stream-interval-ms
+            ("ITL p99 (ms)", "itl_p99"),
             ("TPOT (ms)", "tpot"),
             ("output tokens/s", "tokens_per_s"),
         ):

@@ -219,3 +219,24 @@ async def test_a_send_lingers_for_the_links_other_streams_within_its_bound_and_n
         await link.until(lambda: 5 in link.ends)
         for s, tokens in ((1, 2), (2, 3), (3, 3), (4, 3), (5, 20), (6, 14)):
             assert_whole(link, s, tokens)
+
+
+async def test_a_paced_stream_leaves_once_per_interval_and_no_linger_waits_for_it_while_held() -> None:
+    # A half-second linger (past the setting's bound, as above): were the held stream waited for, the other
+    # stream's sends would wait until its interval is over.
+    async with linked_worker(FakeBackend(delay=0.002), linger_s=0.5) as (_, link):
+        paced = start(1, "paced", max_tokens=300)
+        paced.start.stream_interval_ms = 500
+        sent = time.monotonic()
+        await link.send(paced, start(2, "free", max_tokens=3))
+        await link.until(lambda: 2 in link.ends)
+        assert time.monotonic() - sent < 0.25  # 3 tokens at 2 ms, each sent as it landed
+        await link.until(lambda: 1 in link.ends)
+        assert_whole(link, 1, 300)
+        assert_whole(link, 2, 3)
+        times = [t for t, m in link.messages if 1 in m.chunk_stream]
+        assert link.chunks[1][0][2] < 20  # the first chunk was not held (~250 tokens an interval)
+        assert len(times) <= 2 + (times[-1] - times[0]) / 0.5
+        # The last chunk left with the end, as soon as the generation finished: not a paced gap.
+        gaps = [b - a for a, b in zip(times, times[1:-1], strict=False)]
+        assert gaps and min(gaps) > 0.5 * 0.9, gaps

@@ -55,6 +55,9 @@ def test_flags_override_env_which_overrides_defaults(monkeypatch) -> None:
     config = parse(RouterConfig, "router", [])
     assert (config.port, config.workers) == (6000, ("a:1", "b:2"))
     assert parse(RouterConfig, "router", ["--port", "7000"]).port == 7000
+    assert config.stream_interval_ms == 0  # pacing is opt-in
+    monkeypatch.setenv("TOKENMESH_ROUTER_STREAM_INTERVAL_MS", "20")  # what benchmarks/overhead.py's router reads
+    assert parse(RouterConfig, "router", []).stream_interval_ms == 20
 
 
 @pytest.mark.parametrize(
@@ -63,6 +66,9 @@ def test_flags_override_env_which_overrides_defaults(monkeypatch) -> None:
         (RouterConfig, {"port": 70000}, "port must be 0..65535"),
         (RouterConfig, {"workers": ("nocolon",)}, "must be host:port"),
         (RouterConfig, {"default_max_tokens": 0}, "default_max_tokens"),
+        # A paced stream silent for its interval would be failed over as stalled.
+        (RouterConfig, {"stall_timeout_s": 1, "stream_interval_ms": 1000}, "below stall_timeout_s"),
+        (RouterConfig, {"stream_interval_ms": -1}, "stream_interval_ms must be >= 0"),
         (WorkerConfig, {"threads": -1}, "threads must be >= 0"),
         (WorkerConfig, {"model_repository": "/does/not/exist"}, "is not a folder"),
         (WorkerConfig, {"triton_nice": 20}, "triton_nice must be 0..19"),

@@ -57,6 +57,12 @@ class RouterConfig(ServerSettings, TlsSettings):
         "per-generation credit), Worker/Generate for workers that do not serve Link; off: one Worker/Generate "
         "call per generation (the rollback switch)",
     )
+    stream_interval_ms: int = setting(
+        0,
+        "at most one chunk per generation per this many milliseconds to its caller, as vLLM's --stream-interval: "
+        "the worker merges what the engine produces meanwhile (fewer, larger messages on every hop); the first "
+        "chunk and the end are never held. 0: every chunk as it comes. Must be below --stall-timeout-s",
+    )
     policy: str = setting("prefix", "worker selection: prefix (KV-cache affinity), least-loaded, round-robin")
     max_streams_per_connection: int = setting(
         1024,
@@ -98,6 +104,11 @@ class RouterConfig(ServerSettings, TlsSettings):
         check(self.stall_timeout_s > 0, f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         check(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
         check(self.failover_wait_s >= 0, f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
+        check(
+            0 <= self.stream_interval_ms < self.stall_timeout_s * 1000,
+            f"stream_interval_ms must be >= 0 and below stall_timeout_s ({self.stall_timeout_s:g} s: a paced "
+            f"stream would look stalled), got {self.stream_interval_ms}",
+        )
         check(self.worker_link in WORKER_LINK, f"worker_link must be auto or off, got {self.worker_link!r}")
         check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         check(0 <= self.stream_linger_us <= 1000, f"stream_linger_us must be 0..1000, got {self.stream_linger_us}")

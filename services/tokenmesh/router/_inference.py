@@ -156,6 +156,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         context,
                         resumable=bool(request.request_id),
                         trace_context=observe.start_context,
+                        stream_interval_ms=self._config.stream_interval_ms,
                     )
                     relay = self._relay.run(entry, start, live, progress, observe.call_context)
                     observe.attempt(entry.address)

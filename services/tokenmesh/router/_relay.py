@@ -348,6 +348,7 @@ def start_command(
     *,
     resumable: bool,
     trace_context: dict[str, str] | None = None,
+    stream_interval_ms: int = 0,
 ) -> worker_pb2.WorkerCommand:
     """The worker's start command for an attempt: forward, numbered after progress, within the caller's deadline.
 
@@ -358,10 +359,15 @@ def start_command(
         resumable: the worker keeps the generation for Resume when the caller goes away (a caller-chosen id).
         trace_context: the W3C headers that make the router's span the parent of the worker's, when the router does
             not trace (the caller's context; tracing, they go in the worker call's metadata instead).
+        stream_interval_ms: the router's ``--stream-interval-ms``: the worker paces the generation's readers.
 
     """
     start = worker_pb2.WorkerCommand(
-        start=forward, first_seq=progress.seq + 1, tokens_before=progress.tokens, resumable=resumable
+        start=forward,
+        first_seq=progress.seq + 1,
+        tokens_before=progress.tokens,
+        resumable=resumable,
+        stream_interval_ms=stream_interval_ms,
     )
     remaining = context.time_remaining()
     if remaining is not None:

@@ -29,7 +29,7 @@ ERROR_CLASS_MODEL_NOT_FOUND: ErrorClass
 ERROR_CLASS_DEVICE_LOST: ErrorClass
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("start", "cancel", "first_seq", "tokens_before", "resumable", "timeout_s", "trace_context")
+    __slots__ = ("start", "cancel", "first_seq", "tokens_before", "resumable", "timeout_s", "trace_context", "stream_interval_ms")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class WorkerCommand(_message.Message):
     RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     start: _inference_pb2.GenerateRequest
     cancel: CancelGeneration
     first_seq: int
@@ -51,7 +52,8 @@ class WorkerCommand(_message.Message):
     resumable: bool
     timeout_s: float
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, start: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ..., first_seq: _Optional[int] = ..., tokens_before: _Optional[int] = ..., resumable: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    stream_interval_ms: int
+    def __init__(self, start: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ..., first_seq: _Optional[int] = ..., tokens_before: _Optional[int] = ..., resumable: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., stream_interval_ms: _Optional[int] = ...) -> None: ...
 
 class CancelGeneration(_message.Message):
     __slots__ = ("reason",)

@@ -21,6 +21,15 @@ send often holds one chunk (batches of one, a gRPC message each). With 2 or
 more streams on the link and fewer of them ready than it carries, a send waits
 up to the linger for the rest (it goes at once when every stream is ready):
 never with one stream alone, never longer than the bound (at most 1 ms).
+
+Pacing (the router's ``--stream-interval-ms``, the record's ``interval_s``):
+a stream's chunk that is its record's unread tail waits until the interval
+since the stream's previous chunk has passed, as a Generate reader waits
+(``Record.held``); meanwhile the engine's output merges into it. A held
+stream is left out of the ready set with one timer that marks it when due;
+its end wakes it at once (the record's listener). Nothing of this runs per
+token: merged appends call no one. A held stream is not waited for by the
+linger (it will not be ready within it).
 """
 
 from __future__ import annotations
@@ -101,6 +110,10 @@ class Linked:
     """Events of the record the link took (0-based, as Record.stream's position)."""
     tracing: bool = False
     listener: Callable[[], None] = field(default=lambda: None)
+    due: float = 0.0
+    """Paced: the loop time before which its unread tail chunk is not taken (0: the first chunk is not held)."""
+    timer: asyncio.TimerHandle | None = None
+    """Paced and held: marks it ready when due."""
 
     def starved(self) -> bool:
         """No credit left, and the record has not run past its buffer or finished: nothing to take now."""
@@ -153,6 +166,8 @@ class WorkerLink:
     """The router half-closed: the call ends once every stream has (starts are no longer possible)."""
     linger_s: float
     """How long a send may wait for more streams to be ready (0: never)."""
+    held: int
+    """Streams whose next chunk waits for their interval (each with a timer): a linger does not wait for them."""
     _lingering: bool
     """A send waits for more streams: a stream that becomes ready wakes it only once every stream is."""
     _wake: asyncio.Future[None] | None
@@ -167,6 +182,7 @@ class WorkerLink:
         self.ends = []
         self.last_stream = 0
         self.closing = False
+        self.held = 0
         self._lingering = False
         self._wake = None
 
@@ -211,11 +227,12 @@ class WorkerLink:
     def _partial(self) -> bool:
         """A send now would hold fewer streams' chunks than the link carries (2 or more), and nothing urgent waits.
 
-        Urgent: a refusal, a generation's first event (its TTFT) or the end of one that finished.
+        Urgent: a refusal, a generation's first event (its TTFT) or the end of one that finished. Streams held by
+        their stream interval are not waited for.
         """
         return (
             bool(self.ready)
-            and 2 <= len(self.streams) > len(self.ready)
+            and 2 <= len(self.streams) > len(self.ready) + self.held
             and not self.ends
             and not any(linked.position == 0 or linked.record.done for linked in self.ready.values())
         )
@@ -241,8 +258,15 @@ class WorkerLink:
         """The stream has something to take (its record's listener): ready, and the loop awake."""
         if linked.starved():
             return  # credit will mark it; the record merges meanwhile
+        if linked.record.interval_s and self._hold(linked):
+            return  # its timer will mark it (the send loop is not woken for a chunk it would not take)
         self.ready[linked.stream] = linked
-        if not self._lingering or len(self.ready) >= len(self.streams) or linked.position == 0 or linked.record.done:
+        if (
+            not self._lingering
+            or len(self.ready) + self.held >= len(self.streams)
+            or linked.position == 0
+            or linked.record.done
+        ):
             self._kick()  # everything is ready, or something a linger must not hold (a first event, an end)
 
     # -- commands -------------------------------------------------------------------------------------------------
@@ -314,6 +338,9 @@ class WorkerLink:
         if self.streams.pop(linked.stream, None) is None:
             return
         self.ready.pop(linked.stream, None)
+        if linked.timer is not None:
+            linked.timer.cancel()
+            self.held -= 1
         linked.record.unsubscribe(linked.listener)
         linked.span.end()
         self._release(linked.record, linked.resumable)
@@ -341,6 +368,8 @@ class WorkerLink:
                 return False
             event = record.events[linked.position - record.evicted]
             if event.HasField("chunk"):
+                if record.interval_s and self._hold(linked):
+                    return False  # its timer marks it again
                 cost = len(event.chunk.text.encode()) + CHUNK_OVERHEAD
                 if cost > linked.credit and linked.credit < linked.window - linked.window // 4:
                     return False  # starved: the grant marks it again
@@ -352,6 +381,22 @@ class WorkerLink:
                 return False
         return False
 
+    def _hold(self, linked: Linked) -> bool:
+        """Whether the stream's next event is a chunk that waits for its interval (Record.held); a timer marks it."""
+        loop = asyncio.get_running_loop()
+        record = linked.record
+        if not record.held(linked.position, linked.due, loop.time()) or not record.events[-1].HasField("chunk"):
+            return False  # held() says the next event is the last: an end appended just now goes at once
+        if linked.timer is None:  # one per held stream, however often its record wakes the link meanwhile
+            linked.timer = loop.call_at(linked.due, self._due, linked)
+            self.held += 1
+        return True
+
+    def _due(self, linked: Linked) -> None:
+        linked.timer = None
+        self.held -= 1
+        self._mark(linked)
+
     def _add_chunk(self, linked: Linked, batch: Batch, event: worker_pb2.WorkerEvent, cost: int) -> None:
         chunk = event.chunk
         batch.streams.append(linked.stream)
@@ -362,6 +407,8 @@ class WorkerLink:
             batch.ttft[linked.stream] = chunk.engine_ttft_ms
         batch.budget -= cost
         linked.credit -= cost
+        if linked.record.interval_s:
+            linked.due = asyncio.get_running_loop().time() + linked.record.interval_s
         self._advance(linked, event)
 
     def _end(self, linked: Linked, batch: Batch, end: worker_pb2.LinkEnd) -> None:

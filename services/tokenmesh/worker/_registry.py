@@ -34,16 +34,36 @@ MERGED_SHARE = 8
 """A merged chunk stays under 1/8 of the replay buffer, so a reader that stops reading still overflows it."""
 
 
+def _release(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class Record:
     """One generation: its events so far (bounded in bytes) and its state.
 
     Events are numbered by position: the event at position i (0-based) has
     seq first_seq + i; only a final error carries no seq. The buffer drops
     the oldest events beyond max_bytes, counting them in ``evicted``.
+
+    With ``interval_s`` (the router's ``--stream-interval-ms``) every reader
+    is paced, as vLLM's ``--stream-interval``: after taking a chunk it takes
+    the next no sooner than interval_s later, while that chunk is the unread
+    tail (so it grows by merging, see :meth:`append`) and the generation runs
+    on. The first chunk, the end, and a backlog (a replay, chunks the merge
+    could not grow) are never held: pacing only gives merging time, and
+    merging happens here alone, so every seq a reader saw keeps its meaning.
     """
 
     def __init__(
-        self, request_id: str, first_seq: int, tokens_before: int, generation: Generation, max_bytes: int
+        self,
+        request_id: str,
+        first_seq: int,
+        tokens_before: int,
+        generation: Generation,
+        max_bytes: int,
+        *,
+        interval_s: float = 0.0,
     ) -> None:
         self.request_id = request_id
         self.first_seq = first_seq
@@ -56,6 +76,8 @@ class Record:
         self.evicted = 0
         self.bytes = 0
         self.max_bytes = max_bytes
+        self.interval_s = interval_s
+        """A reader takes a chunk that may still grow at most once per this many seconds (0: at once)."""
         self.read = 0
         """Events some reader has taken (those are never merged into)."""
         self.done = False
@@ -110,21 +132,34 @@ class Record:
                 waiter.set_result(None)
         self._waiters.clear()
 
-    async def _changed(self) -> None:
-        """Wait for the next append or finish."""
-        waiter = asyncio.get_running_loop().create_future()
+    async def _changed(self, due: float | None = None) -> None:
+        """Wait for the next append (one not merged) or finish; with due, at most until then (the loop's clock)."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         self._waiters.add(waiter)
+        timer = None if due is None else loop.call_at(due, _release, waiter)
         try:
             await waiter
         finally:
+            if timer is not None:
+                timer.cancel()
             self._waiters.discard(waiter)
+
+    def held(self, position: int, due: float, now: float) -> bool:
+        """Whether a paced reader at position waits until due (its loop time) before taking the chunk there.
+
+        Only the unread tail of a generation still running waits: it may grow by merging until then. Events
+        behind it are fixed already (waiting would only delay them), and a finished generation's end goes at once.
+        """
+        return now < due and position == self.total - 1 and not self.done
 
     def append(self, event: worker_pb2.WorkerEvent) -> None:
         """Add an event, evicting the oldest beyond the byte budget; wake readers.
 
         A chunk that arrives while the previous chunk is still unread by every
         reader is merged into it (text and token count): a reader that falls
-        behind gets fewer, larger messages, never a chunk held back. Only
+        behind gets fewer, larger messages (a paced reader too, by design:
+        see the class), never a chunk held back for it. Only
         unread chunks are merged, so every seq a reader saw keeps its meaning
         for Resume.
         """
@@ -156,8 +191,8 @@ class Record:
         self.finished_at = time.monotonic()
         self._wake()
 
-    async def stream(self, after_seq: int) -> AsyncIterator[worker_pb2.WorkerEvent]:
-        """Events with seq > after_seq (and a final error), then live ones until done."""
+    def _check_from(self, after_seq: int) -> int:
+        """The position a reader after after_seq starts at, or the OutOfRange that says why it cannot."""
         position = after_seq - self.first_seq + 1
         if position < 0:
             raise OutOfRange(
@@ -186,6 +221,13 @@ class Record:
                 reason="REPLAY_EVICTED",
                 metadata={"request_id": self.request_id},
             )
+        return position
+
+    async def stream(self, after_seq: int) -> AsyncIterator[worker_pb2.WorkerEvent]:
+        """Events with seq > after_seq (and a final error), then live ones until done (paced: see the class)."""
+        position = self._check_from(after_seq)
+        loop = asyncio.get_running_loop()
+        due = 0.0  # the first chunk is never held
         self.attached += 1
         try:
             while True:
@@ -193,6 +235,11 @@ class Record:
                     if position < self.evicted:
                         raise self.too_slow()
                     event = self.events[position - self.evicted]
+                    if self.interval_s and event.HasField("chunk"):
+                        if self.held(position, due, loop.time()):
+                            await self._changed(due)  # meanwhile the engine's output merges into this chunk
+                            continue
+                        due = loop.time() + self.interval_s
                     position += 1
                     self.read = max(self.read, position)
                     yield event
@@ -226,12 +273,14 @@ class Registry:
         self._on_token_timing = on_token_timing
         self._gc: asyncio.Task[None] | None = None
 
-    def start(self, request_id: str, first_seq: int, tokens_before: int, generation: Generation) -> Record:
-        """Register and start pumping a generation (replacing a stale one by the same id)."""
+    def start(
+        self, request_id: str, first_seq: int, tokens_before: int, generation: Generation, *, interval_s: float = 0.0
+    ) -> Record:
+        """Register and start pumping a generation (replacing a stale one by the same id); see Record's interval_s."""
         old = self.records.pop(request_id, None)
         if old is not None:
             self._stop(old)
-        record = Record(request_id, first_seq, tokens_before, generation, self.max_bytes)
+        record = Record(request_id, first_seq, tokens_before, generation, self.max_bytes, interval_s=interval_s)
         self.records[request_id] = record
         record.task = asyncio.create_task(self._pump(record))
         if self._gc is None:

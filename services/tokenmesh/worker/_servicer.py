@@ -297,7 +297,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         generation = self._backend.generate(params)  # may raise (Triton gone): nothing is counted yet
         self.in_flight += 1
         self.idle.clear()
-        record = self.registry.start(params.request_id, first.first_seq or 1, first.tokens_before, generation)
+        record = self.registry.start(
+            params.request_id,
+            first.first_seq or 1,
+            first.tokens_before,
+            generation,
+            interval_s=first.stream_interval_ms / 1000,  # paces every reader of it, on any call (Record)
+        )
         record.queued = queued
         return record
 
