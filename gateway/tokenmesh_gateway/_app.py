@@ -3,7 +3,8 @@
 :data:`ROUTES` is the one list of what the gateway serves: each route's method,
 path template, what it does and its endpoint. It drives dispatch (once per
 request; a stream's chunks never pass through it), the 404 for a path no route
-has, the 405 with ``Allow`` for a method a path does not take, the route label
+has, the 405 with ``Allow`` for a method a path does not take (with ``--cors-origins``, a
+browser's ``OPTIONS`` preflight gets the same methods in a 204 instead), the route label
 of the requests counter (the template, never the caller's path) and the docs
 (:func:`routes_markdown`).
 
@@ -23,7 +24,7 @@ from typing import Any
 
 import orjson
 from opentelemetry import trace
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter
 
 from tokenmesh.client import Client
 from tokenmesh.errors import MeshError
@@ -33,6 +34,7 @@ from tokenmesh_gateway import _anthropic
 from tokenmesh_gateway._anthropic_sse import ANTHROPIC_ERRORS, MessagesAnswer
 from tokenmesh_gateway._auth import tenant_of
 from tokenmesh_gateway._config import GatewayConfig
+from tokenmesh_gateway._cors import Cors
 from tokenmesh_gateway._errors import DEFAULT_RETRY_AFTER_MS, OPENAI_ERRORS, ErrorShape, HttpError, from_mesh, invalid
 from tokenmesh_gateway._fields import decode_body
 from tokenmesh_gateway._http import Receive, Scope, Send, header, read_body, respond, respond_error
@@ -40,6 +42,8 @@ from tokenmesh_gateway._openai import Kind, parse, stream_flags
 from tokenmesh_gateway._sse import OpenAIAnswer, response_id
 from tokenmesh_gateway._stream import Answer, Exchanges
 
+_PREFLIGHT = b"access-control-request-method"
+"""The header that makes an ``OPTIONS`` a CORS preflight."""
 REQUEST_ID = re.compile(r"[A-Za-z0-9._~:-]{1,128}")
 """What an ``X-Request-Id`` may be: no '/', so it is one path segment (and tenants' ids stay apart)."""
 
@@ -62,6 +66,8 @@ class GatewayApp:
     exchanges: Exchanges
     draining: bool
     """New generations get 503 and /health says draining."""
+    cors: Cors | None
+    """Which browser pages of other origins may call (None: no CORS, ``--cors-origins`` empty)."""
     created: int
     """Unix time the gateway started (the models' ``created``)."""
 
@@ -71,11 +77,12 @@ class GatewayApp:
         self.keys = keys
         self.exchanges = Exchanges(config.keepalive_s)
         self.draining = False
+        self.cors = Cors(config.cors_origins) if config.cors_origins else None
         self.created = int(time.time())
         self.tracer: trace.Tracer = trace.NoOpTracer()
         """A span per generation (OpenTelemetry's no-op tracer while tracing is off)."""
         self.registry = CollectorRegistry()
-        """The gateway's Prometheus metrics, served at /metrics."""
+        """The gateway's Prometheus metrics, served on ``--metrics-port`` (never on the public port)."""
         self.requests = Counter(
             "tokenmesh_gateway_http_requests_total",
             "HTTP requests by route and status",
@@ -87,7 +94,7 @@ class GatewayApp:
         """Answer one request (and count it by route and status)."""
         if scope["type"] != "http":
             return  # no websockets; the lifespan protocol is off
-        counted = _Counted(send)
+        counted = _Counted(send, self.cors.headers(header(scope, b"origin")) if self.cors is not None else [])
         label = "other"
         shape: ErrorShape = OPENAI_ERRORS
         try:
@@ -98,9 +105,12 @@ class GatewayApp:
             at, params = found
             label, shape = at.template, at.errors
             route = at.methods.get(scope["method"])
-            if route is None:
+            if route is not None:
+                await route.endpoint(self, scope, receive, counted, params)
+            elif self.cors is not None and scope["method"] == "OPTIONS" and header(scope, _PREFLIGHT) is not None:
+                await self._preflight(self.cors, scope, at.allow, counted)
+            else:
                 raise _MethodNotAllowed(scope["method"], at.allow)
-            await route.endpoint(self, scope, receive, counted, params)
         except HttpError as error:
             await respond_error(counted, error, shape)
         except ConnectionResetError:
@@ -333,19 +343,12 @@ class GatewayApp:
         else:
             await respond(send, 200, b'{"status":"ok"}')
 
-    async def _metrics(self, send: Send) -> None:
-        body = generate_latest(self.registry)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", CONTENT_TYPE_LATEST.encode()),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+    @staticmethod
+    async def _preflight(cors: Cors, scope: Scope, allow: str, send: Send) -> None:
+        """A browser asks whether its page may call: 204 with the path's methods (403 for an unlisted origin)."""
+        headers = cors.preflight(header(scope, b"origin"), allow, header(scope, b"access-control-request-headers"))
+        await send({"type": "http.response.start", "status": 204, "headers": headers})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _tenant(self, scope: Scope) -> str:
         """The caller's tenant ('' without keys); 401 without a valid key."""
@@ -370,18 +373,22 @@ class _Counted:
     """The ASGI send of one request that keeps the status it answered (for the requests counter).
 
     A plain call that hands back uvicorn's own awaitable: a wrapper coroutine
-    would cost a frame per event of every stream.
+    would cost a frame per event of every stream. The answer's start also gets
+    the request's CORS headers (once per answer, never per event).
     """
 
-    __slots__ = ("send", "status")
+    __slots__ = ("extra", "send", "status")
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, extra: list[tuple[bytes, bytes]]) -> None:
         self.send = send
         self.status = 0
+        self.extra = extra
 
     def __call__(self, message: MutableMapping[str, Any]) -> Awaitable[None]:
         if message["type"] == "http.response.start":
             self.status = message["status"]
+            if self.extra:
+                message["headers"] = [*message["headers"], *self.extra]
         return self.send(message)
 
 
@@ -529,9 +536,8 @@ ROUTES: tuple[Route, ...] = (
         '200 `{"status":"ok"}` while serving, 503 once draining',
         lambda app, _, __, send, ___: app._health(send),
     ),
-    Route("GET", "/metrics", "the gateway's Prometheus metrics", lambda app, _, __, send, ___: app._metrics(send)),
 )
-"""Every route the gateway serves; nothing else answers but 404 and 405."""
+"""Every route the gateway serves; nothing else answers but 404, 405 and (with CORS on) a preflight's 204."""
 
 
 @dataclass(frozen=True, slots=True)

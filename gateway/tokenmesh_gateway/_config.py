@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tokenmesh.config import address_error, check, csv, setting
 from tokenmesh.tls import TlsSettings
 from tokenmesh_gateway._auth import load_keys
+from tokenmesh_gateway._cors import origin_error
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,6 +16,12 @@ class GatewayConfig(TlsSettings):
 
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "HTTP port; 0 picks a free one")
+    health_port: int = setting(
+        0,
+        "also serve GET /health alone, plaintext HTTP, on this port, for kubelet probes (which present no "
+        "client certificate, so with --tls-mode mtls they cannot reach the HTTPS port); 0 = off",
+    )
+    metrics_port: int = setting(0, "serve Prometheus metrics on http://host:PORT/metrics; 0 = off")
     routers: tuple[str, ...] = setting(
         (),
         "router addresses host:port, comma-separated, or one DNS name whose "
@@ -27,6 +34,13 @@ class GatewayConfig(TlsSettings):
         "file of accepted API keys, one 'sha256hex tenant' per line ('#' starts a "
         "comment); when set, every /v1 call needs 'Authorization: Bearer KEY' and its "
         "tenant becomes the generation's tenant label; empty = no keys",
+    )
+    cors_origins: tuple[str, ...] = setting(
+        (),
+        "origins (scheme://host[:port], comma-separated) whose browser pages may call the gateway: their "
+        "requests get Access-Control-Allow-Origin and their preflights (OPTIONS) are answered; other "
+        "origins get neither; empty = no CORS",
+        parse=csv,
     )
     default_model: str = setting("", "model for requests that name none; empty = the mesh's default model")
     max_body_bytes: int = setting(1024 * 1024, "largest request body, in bytes; a larger one gets 413")
@@ -65,6 +79,16 @@ class GatewayConfig(TlsSettings):
     def __post_init__(self) -> None:
         """Validate ranges."""
         check(0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}")
+        for name, extra in (("health_port", self.health_port), ("metrics_port", self.metrics_port)):
+            check(0 <= extra <= 65535, f"{name} must be 0..65535, got {extra}")
+            check(not extra or extra != self.port, f"{name} must differ from port ({self.port}); 0 turns it off")
+        check(
+            not self.health_port or self.health_port != self.metrics_port,
+            f"health_port and metrics_port must differ (both {self.health_port})",
+        )
+        for origin in self.cors_origins:
+            problem = origin_error(origin)
+            check(not problem, f"cors_origins: {origin!r} {problem}")
         check(bool(self.routers), "give at least one router address (--routers host:port,...)")
         for address in self.routers:
             problem = address_error(address)

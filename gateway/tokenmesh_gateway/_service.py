@@ -7,7 +7,8 @@ SIGTERM drains first (``/health`` 503, new generations 503, open streams get
 ``drain_grace_s``, then ``drain_tail_s`` to write their error event), then
 uvicorn stops, giving what is left ``stop_grace_s``. uvicorn's main loop and
 the certificate renewals are supervised tasks: one that dies stops the
-gateway, which exits 1.
+gateway, which exits 1. Its metrics (``--metrics-port``) and its probes' ``/health``
+(``--health-port``) have ports of their own, as the other services' do, never the public one.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from typing import TYPE_CHECKING
 
 from tokenmesh.client import Client
 from tokenmesh.lifecycle import Lifecycle
+from tokenmesh.metrics import MetricsEndpoint
 from tokenmesh.server import write_ready_file
 from tokenmesh.tls import Tls
 from tokenmesh.tracing import Tracing
 from tokenmesh_gateway._app import GatewayApp
 from tokenmesh_gateway._auth import load_keys
 from tokenmesh_gateway._config import GatewayConfig
+from tokenmesh_gateway._health_port import HealthPort
 
 if TYPE_CHECKING:
     import uvicorn
@@ -53,6 +56,10 @@ class Gateway(Lifecycle):
     _server: uvicorn.Server | None
     _socket: socket.socket | None
     _main_loop: asyncio.Task[None] | None
+    metrics_endpoint: MetricsEndpoint | None
+    """``/metrics`` on ``--metrics-port`` (None when 0)."""
+    health_port: HealthPort | None
+    """``/health`` alone, plaintext, on ``--health-port`` (None when 0)."""
 
     def __init__(self, config: GatewayConfig) -> None:
         super().__init__(drain_grace_s=config.drain_grace_s, stop_grace_s=config.stop_grace_s)
@@ -65,6 +72,8 @@ class Gateway(Lifecycle):
         self._server = None
         self._socket = None
         self._main_loop = None
+        self.metrics_endpoint = None
+        self.health_port = None
 
     @property
     def address(self) -> str:
@@ -95,11 +104,17 @@ class Gateway(Lifecycle):
             self.spawn(self._follow_certificates(), "certificate renewals")
         self.app = GatewayApp(self.client, cfg, keys)
         self.app.tracer = self.tracing.tracer
+        if cfg.metrics_port:
+            self.metrics_endpoint = MetricsEndpoint(self.app.registry, cfg.host, cfg.metrics_port, "gateway")
         self._socket = _listen(cfg.host, cfg.port)
         self.port = int(self._socket.getsockname()[1])
         server = self._server = self._uvicorn(self.app)
         await server.startup(sockets=[self._socket])
         self._main_loop = self.spawn(server.main_loop(), "uvicorn")
+        if cfg.health_port:
+            app = self.app
+            self.health_port = HealthPort(lambda: app.draining)
+            await self.health_port.start(cfg.host, cfg.health_port)
         log.info(
             "gateway serving on %s (routers %s)%s",
             self.url,
@@ -139,16 +154,34 @@ class Gateway(Lifecycle):
         return server
 
     async def _follow_certificates(self) -> None:
-        """Renewed certificate files reach the calls to routers.
-
-        The HTTPS port keeps its certificate until a restart: uvicorn reads it once.
-        """
+        """Renewed certificate files reach the HTTPS port's new handshakes and the calls to routers."""
         async for _ in self._tls.renewals():
+            self._renew_https()
             if self.client is not None:
                 credentials = self._tls.credentials()
                 assert credentials is not None
                 self.client.renew(credentials)
                 log.info("TLS certificate files changed: new channels to the routers")
+
+    def _renew_https(self) -> None:
+        """New HTTPS handshakes present the renewed certificate and trust the renewed CA; open connections go on.
+
+        uvicorn's listening socket holds one SSL context for its life, so the files are loaded into that context.
+        They are tried on a context of their own first: a certificate and key that do not match yet (read
+        between the renewer's writes) leave the one in force untouched until the files change again.
+        """
+        context = self._server.config.ssl if self._server is not None else None
+        if context is None:
+            return
+        cfg = self.config
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cfg.tls_cert, cfg.tls_key)
+            context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+            context.load_verify_locations(cfg.tls_ca)
+        except (ssl.SSLError, OSError) as exc:
+            log.warning("TLS certificate files changed but do not load (%s); the HTTPS port keeps its certificate", exc)
+            return
+        log.info("TLS certificate files changed: new HTTPS connections get the renewed certificate")
 
     async def _set_ready(self, ready: bool) -> None:
         """Not ready: /health answers 503 and new generations get 503 (ready again it never becomes)."""
@@ -171,6 +204,10 @@ class Gateway(Lifecycle):
             await self._server.shutdown(sockets=[self._socket] if self._socket else None)
 
     async def _close(self) -> None:
+        if self.health_port is not None:
+            await self.health_port.close()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
         if self._socket is not None:
             self._socket.close()
         if self.client is not None:

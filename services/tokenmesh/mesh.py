@@ -23,7 +23,7 @@ from typing import IO
 from tokenmesh.config import check, not_a_setting, setting
 from tokenmesh.process import dies_with_parent, stop_process
 
-METERED = ("router", "worker", "prober")
+METERED = ("router", "worker", "prober", "gateway")
 """The services that serve metrics of their own when MeshConfig.metrics is set."""
 
 
@@ -74,7 +74,7 @@ class MeshConfig:
         "them there unless ca.crt exists); empty = plaintext (or --tls: a temporary folder)",
     )
     metrics: bool = setting(
-        False, "router, workers and prober serve Prometheus metrics, each on a free port (printed at start)"
+        False, "router, workers, prober and gateway serve Prometheus metrics, each on a free port (printed at start)"
     )
     log_dir: str = setting("", "write each service's log to LOG_DIR/<name>.log; empty = stderr")
     start_timeout_s: float = setting(240.0, "how long the services may take to become SERVING")
@@ -119,7 +119,7 @@ class UpConfig(MeshConfig):
         parse=port_or_off,
     )
     metrics: bool = setting(
-        True, "router, workers and prober serve Prometheus metrics, each on a free port (printed at start)"
+        True, "router, workers, prober and gateway serve Prometheus metrics, each on a free port (printed at start)"
     )
 
 
@@ -197,7 +197,7 @@ class Mesh:
             self._logs.append(log_file)
             out = log_file
         cmd = [sys.executable, "-m", "tokenmesh", service, "--ready-file", str(ready), *args]
-        if self.config.tls_dir and service in (*METERED, "gateway"):  # each with its own identity, mutual TLS
+        if self.config.tls_dir and service in METERED:  # each with its own identity, mutual TLS
             folder = Path(self.config.tls_dir)
             cmd += [
                 "--tls-mode",

@@ -322,7 +322,22 @@ async def test_the_prober_reconnects_with_renewed_certificates_and_its_tables_ke
         await prober.shutdown()
 
 
-async def test_the_gateway_renews_its_channels_to_the_routers(mesh: TlsMesh) -> None:
+async def served_certificate(port: int, context: ssl.SSLContext) -> bytes:
+    """The certificate (DER) a new TLS connection to 127.0.0.1:port is served."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context, server_hostname="localhost")
+    try:
+        served = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    finally:
+        writer.close()
+    assert served is not None
+    return bytes(served)
+
+
+def certificate_der(path: Path) -> bytes:
+    return x509.load_pem_x509_certificate(path.read_bytes()).public_bytes(serialization.Encoding.DER)
+
+
+async def test_the_gateway_renews_its_https_certificate_and_its_channels_to_the_routers(mesh: TlsMesh) -> None:
     import httpx
 
     from tokenmesh_gateway import Gateway, GatewayConfig
@@ -332,6 +347,8 @@ async def test_the_gateway_renews_its_channels_to_the_routers(mesh: TlsMesh) -> 
     try:
         with_cert = ssl.create_default_context(cafile=str(mesh.folder / "ca.crt"))
         with_cert.load_cert_chain(str(mesh.folder / "client.crt"), str(mesh.folder / "client.key"))
+        first = certificate_der(mesh.folder / "gateway.crt")
+        assert await served_certificate(gateway.port, with_cert) == first
         async with httpx.AsyncClient(verify=with_cert) as http:
             body = {"prompt": "hi", "max_tokens": 3}
             assert (await http.post(f"{gateway.url}/completions", json=body)).status_code == 200
@@ -340,7 +357,17 @@ async def test_the_gateway_renews_its_channels_to_the_routers(mesh: TlsMesh) -> 
             before = {a: link.channel for a, link in links.items()}
             assert list(before) == [mesh.router.host.address]
             issue(mesh.folder, "gateway", load_ca(mesh.folder))
+            renewed = certificate_der(mesh.folder / "gateway.crt")
+            assert renewed != first
             await wait_until(lambda: all(links[a].channel is not c for a, c in before.items()), timeout=5)
+            # New HTTPS connections get the renewed certificate (within a poll or two: the files may be read
+            # between the writes of the certificate and its key); the client's open connection goes on.
+            for _ in range(50):
+                if await served_certificate(gateway.port, with_cert) == renewed:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("new HTTPS connections still get the certificate of before the renewal")
             assert (await http.post(f"{gateway.url}/completions", json=body)).status_code == 200
         without = ssl.create_default_context(cafile=str(mesh.folder / "ca.crt"))
         async with httpx.AsyncClient(verify=without) as http:  # no client certificate: refused

@@ -182,9 +182,11 @@ async def test_one_trace_from_the_http_callers_traceparent_through_gateway_route
 ) -> None:
     import httpx
 
+    from tests.support.dns_server import free_port_on
     from tests.support.gateway_helpers import gateway_over
 
-    async with in_process_mesh() as mesh, gateway_over(mesh) as gateway:
+    metrics_port = free_port_on("127.0.0.1")
+    async with in_process_mesh() as mesh, gateway_over(mesh, metrics_port=metrics_port) as gateway:
         async with httpx.AsyncClient(base_url=gateway.url) as http:
             answer = await http.post(
                 "/completions",
@@ -192,7 +194,7 @@ async def test_one_trace_from_the_http_callers_traceparent_through_gateway_route
                 headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
             )
             assert answer.status_code == 200
-            metrics = (await http.get(gateway.url.removesuffix("/v1") + "/metrics")).text
+            metrics = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
     spans = receiver.spans()
     (edge,) = generations(spans, "tokenmesh-gateway")
     (router,) = generations(spans, "tokenmesh-router")

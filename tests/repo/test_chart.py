@@ -9,492 +9,67 @@ and review the diff.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import functools
 import json
 import math
 import os
-import re
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "tokenmesh"
-GOLDEN = CHART / "tests" / "golden"
-KUBERNETES_DOC = ROOT / "docs" / "kubernetes.md"
-BIN = Path(sys.prefix) / "bin"  # scripts/install_helm.py puts helm3 and helm4 here
-
-HELMS = ("helm3", "helm4")
-EXAMPLES = ("cpu-embedded", "external-triton", "gpu-sidecar")
-VALUE_SETS = ("defaults", *EXAMPLES)
-RELEASE = NAMESPACE = "tokenmesh"
-# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the
-# newest whose schemas kubernetes-validate ships.
-KUBE_VERSIONS = ("v1.29.0", f"v{kubernetes_validate.latest_version()}")
-NEWEST = KUBE_VERSIONS[-1]
-APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
-IMAGE = f"tokenmesh:{APP_VERSION}"  # the default image.tag
-GPU = "nvidia.com/gpu"
-COREDNS_TTL_S = 5  # the TTL of CoreDNS's kubernetes plugin, which cluster DNS answers carry
-METRICS_PORT = 9090  # values.yaml metrics.port
-ALERTS = CHART / "files" / "tokenmesh-alerts.yaml"
-DASHBOARD = CHART / "files" / "grafana-dashboard.json"
-# What a cluster with the Prometheus Operator serves (helm template --api-versions).
-OPERATOR_API = "monitoring.coreos.com/v1"
-# ... and one with cert-manager.
-CERT_MANAGER_API = "cert-manager.io/v1"
-
-Overrides = tuple[tuple[str, str], ...]
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def overrides(**values: Any) -> Overrides:
-    """--set-json pairs, hashable for the render cache: overrides(worker__gpus=2)."""
-    return tuple((key.replace("__", "."), json.dumps(value)) for key, value in values.items())
-
-
-def helm_binary(name: str) -> Path:
-    binary = BIN / name
-    if not binary.is_file():
-        pytest.fail(f"{binary} is missing: run `make venv` (scripts/install_helm.py installs helm3 and helm4)")
-    return binary
-
-
-@pytest.fixture(params=HELMS)
-def helm(request: pytest.FixtureRequest) -> str:
-    helm_binary(request.param)
-    return request.param
-
-
-@functools.cache
-def run_template(
-    helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST, api_versions: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess[str]:
-    command = [
-        str(helm_binary(helm)),
-        "template",
-        RELEASE,
-        str(CHART),
-        "--namespace",
-        NAMESPACE,
-        "--kube-version",
-        kube,
-    ]
-    if value_set != "defaults":
-        command += ["--values", str(CHART / "examples" / f"{value_set}.yaml")]
-    for key, value in extra:
-        command += ["--set-json", f"{key}={value}"]
-    for api in api_versions:
-        command += ["--api-versions", api]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
-
-
-def render_text(
-    helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST, api_versions: tuple[str, ...] = ()
-) -> str:
-    done = run_template(helm, value_set, extra, kube, api_versions)
-    assert done.returncode == 0, f"helm template failed:\n{done.stderr}"
-    return done.stdout
-
-
-@functools.cache
-def _render(
-    helm: str, value_set: str, extra: Overrides, kube: str, api_versions: tuple[str, ...]
-) -> tuple[dict[str, Any], ...]:
-    return tuple(doc for doc in yaml.safe_load_all(render_text(helm, value_set, extra, kube, api_versions)) if doc)
-
-
-def render(
-    helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST, api_versions: tuple[str, ...] = ()
-) -> list[dict[str, Any]]:
-    """The rendered objects (fresh copies: tests may change them)."""
-    return json.loads(json.dumps(_render(helm, value_set, extra, kube, api_versions)))
-
-
-# Every monitoring object on, in a cluster that has the Prometheus Operator's CRDs.
-MONITORING = overrides(
-    monitoring__podMonitor__enabled=True,
-    monitoring__prometheusRule__enabled=True,
-    monitoring__grafanaDashboard__enabled=True,
+from tests.support.chart import (
+    ALERTS,
+    API_KEYS_DIR,
+    APP_VERSION,
+    BIN,
+    CERT_MANAGER_API,
+    CHART,
+    COMPONENTS,
+    COREDNS_TTL_S,
+    DASHBOARD,
+    EXAMPLES,
+    EXISTING_SECRETS,
+    GATEWAY_EXAMPLE,
+    GIVEN_ISSUER,
+    GOLDEN,
+    GPU,
+    KEY_USAGES,
+    KUBE_VERSIONS,
+    KUBERNETES_DOC,
+    METRICS_PORT,
+    NAMESPACE,
+    NEWEST,
+    OPERATOR_API,
+    RELEASE,
+    ROOT,
+    TLS_CASES,
+    TLS_CERT_MANAGER,
+    TLS_DIR,
+    TLS_EXISTING,
+    TLS_SERVER_NAME,
+    VALUE_SETS,
+    Overrides,
+    arg,
+    containers,
+    deployment,
+    helm_binary,
+    labels_match,
+    objects,
+    overrides,
+    pod_spec,
+    render,
+    render_monitoring,
+    render_text,
+    render_tls,
+    run_template,
+    selects,
+    tokenmesh_containers,
+    validation_errors,
 )
-
-
-def render_monitoring(helm: str, value_set: str, extra: Overrides = (), kube: str = NEWEST) -> list[dict[str, Any]]:
-    return render(helm, value_set, MONITORING + extra, kube, (OPERATOR_API,))
-
-
-# TLS (tls.mode): the Secrets one would make, or cert-manager's Certificates.
-TLS_DIR = "/etc/tokenmesh/tls"
-TLS_SERVER_NAME = f"{RELEASE}-mesh.{NAMESPACE}.svc"  # on every certificate; what routers and the prober verify
-COMPONENTS = ("router", "worker", "prober")
-EXISTING_SECRETS = {component: f"mesh-{component}-tls" for component in COMPONENTS}
-TLS_EXISTING = overrides(tls__mode="existingSecret", tls__existingSecrets=EXISTING_SECRETS)
-TLS_CERT_MANAGER = overrides(tls__mode="certManager")
-GIVEN_ISSUER = {"name": "mesh-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
-# name -> (value set, overrides, --api-versions): each example once, both modes, both service modes.
-TLS_CASES: dict[str, tuple[str, Overrides, tuple[str, ...]]] = {
-    "existing-secret": ("defaults", TLS_EXISTING, ()),
-    "existing-secret-tls-only": ("cpu-embedded", TLS_EXISTING + overrides(tls__serviceMode="tls"), ()),
-    "cert-manager": ("gpu-sidecar", TLS_CERT_MANAGER, (CERT_MANAGER_API,)),
-    "cert-manager-given-issuer": (
-        "external-triton",
-        TLS_CERT_MANAGER + overrides(tls__certManager__issuerRef=GIVEN_ISSUER),
-        (CERT_MANAGER_API,),
-    ),
-}
-
-
-def render_tls(helm: str, case: str, kube: str = NEWEST) -> list[dict[str, Any]]:
-    value_set, extra, api_versions = TLS_CASES[case]
-    return render(helm, value_set, extra, kube, api_versions)
-
-
-def objects(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
-    return {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == kind}
-
-
-def deployment(docs: list[dict[str, Any]], component: str) -> dict[str, Any]:
-    return objects(docs, "Deployment")[f"{RELEASE}-{component}"]
-
-
-def pod_spec(docs: list[dict[str, Any]], component: str) -> dict[str, Any]:
-    return deployment(docs, component)["spec"]["template"]["spec"]
-
-
-def containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    return [*spec.get("initContainers", []), *spec["containers"]]
-
-
-def tokenmesh_containers(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    found = [
-        c
-        for doc in objects(docs, "Deployment").values()
-        for c in containers(doc["spec"]["template"]["spec"])
-        if c["image"] == IMAGE
-    ]
-    assert {c["args"][0] for c in found} == {"router", "worker", "prober"}
-    return found
-
-
-def arg(container: dict[str, Any], flag: str) -> str:
-    values = [a.split("=", 1)[1] for a in container["args"] if a.startswith(f"{flag}=")]
-    assert len(values) == 1, f"{container['name']}: expected one {flag}=..., args {container['args']}"
-    return values[0]
-
-
-def validation_errors(docs: list[dict[str, Any]], kube: str) -> list[str]:
-    """Every object against the Kubernetes schemas of that version; unknown fields are errors.
-
-    kubernetes-validate knows only built-in kinds: the Prometheus Operator's
-    and cert-manager's (CRDs) are checked against CRD_SHAPES instead, as strictly.
-    """
-    errors = []
-    for doc in docs:
-        where = f"{doc['kind']}/{doc['metadata']['name']}"
-        crd = CRD_SHAPES.get((doc.get("apiVersion"), doc.get("kind")))
-        if crd is not None:
-            errors += [f"{where}: {error}" for error in shape_errors(doc, crd)]
-            continue
-        try:
-            kubernetes_validate.validate(doc, kube, strict=True)
-        except kubernetes_validate.ValidationError as error:
-            errors.append(f"{where} ({kube}): {'.'.join(map(str, error.path))}: {error.message}")
-        except kubernetes_validate.SchemaNotFoundError as error:
-            errors.append(f"{where}: {error.message}")
-    return errors
-
-
-def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return all(labels.get(key) == value for key, value in selector.items())
-
-
-def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-    """A metav1.LabelSelector (matchLabels and matchExpressions) against a pod's labels."""
-
-    def expression(e: dict[str, Any]) -> bool:
-        present, value = e["key"] in labels, labels.get(e["key"])
-        return {
-            "In": present and value in e.get("values", []),
-            "NotIn": not present or value not in e.get("values", []),
-            "Exists": present,
-            "DoesNotExist": not present,
-        }[e["operator"]]
-
-    return labels_match(selector.get("matchLabels", {}), labels) and all(
-        expression(e) for e in selector.get("matchExpressions", [])
-    )
-
-
-# ------------------------------- the Prometheus Operator's and cert-manager's CRDs
-#
-# Structural shapes of PodMonitor and PrometheusRule (monitoring.coreos.com/v1)
-# and of Certificate and Issuer (cert-manager.io/v1): the fields of their CRDs
-# that the chart may use, each with its type. A field not listed is an error,
-# as with kubernetes-validate --strict.
-
-
-@dataclasses.dataclass(frozen=True)
-class Obj:
-    """An object with only these fields (name -> shape), the required ones present."""
-
-    fields: dict[str, Any]
-    required: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class MapOf:
-    """An object of any keys matching `keys`, each value of shape `values`."""
-
-    values: Any
-    keys: re.Pattern[str] = re.compile(r".+")
-
-
-@dataclasses.dataclass(frozen=True)
-class ListOf:
-    items: Any
-    min_items: int = 0
-
-
-# A shape is a Python type, a frozenset (one of these values), a compiled pattern
-# (a string matching it), a tuple (any one of these shapes), or Obj / MapOf / ListOf.
-DURATION = re.compile(r"(0|([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?([0-9]+ms)?)")
-DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
-LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
-LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
-METADATA = Obj(
-    {
-        "name": DNS_SUBDOMAIN,
-        "namespace": DNS_SUBDOMAIN,
-        "labels": MapOf(LABEL_VALUE, LABEL_KEY),
-        "annotations": MapOf(str),
-    },
-    required=("name",),
-)
-LABEL_SELECTOR = Obj(
-    {
-        "matchLabels": MapOf(LABEL_VALUE, LABEL_KEY),
-        "matchExpressions": ListOf(
-            Obj(
-                {
-                    "key": LABEL_KEY,
-                    "operator": frozenset({"In", "NotIn", "Exists", "DoesNotExist"}),
-                    "values": ListOf(LABEL_VALUE),
-                },
-                required=("key", "operator"),
-            )
-        ),
-    }
-)
-POD_METRICS_ENDPOINT = Obj(
-    {
-        "port": str,
-        "portNumber": int,
-        "path": str,
-        "scheme": frozenset({"http", "https"}),
-        "interval": DURATION,
-        "scrapeTimeout": DURATION,
-        "honorLabels": bool,
-        "honorTimestamps": bool,
-        "params": MapOf(ListOf(str)),
-        "relabelings": ListOf(dict),
-        "metricRelabelings": ListOf(dict),
-    }
-)
-RULE = Obj(
-    {
-        "alert": str,
-        "record": str,
-        "expr": (str, int),
-        "for": DURATION,
-        "keep_firing_for": DURATION,
-        "labels": MapOf(str),
-        "annotations": MapOf(str),
-    },
-    required=("expr",),
-)
-# cert-manager: Go durations (metav1.Duration) and the key usages its CRD enumerates.
-GO_DURATION = re.compile(r"([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+")
-KEY_USAGES = frozenset(
-    {
-        "signing",
-        "digital signature",
-        "content commitment",
-        "key encipherment",
-        "key agreement",
-        "data encipherment",
-        "cert sign",
-        "crl sign",
-        "encipher only",
-        "decipher only",
-        "any",
-        "server auth",
-        "client auth",
-        "code signing",
-        "email protection",
-        "s/mime",
-        "ipsec end system",
-        "ipsec tunnel",
-        "ipsec user",
-        "timestamping",
-        "ocsp signing",
-        "microsoft sgc",
-        "netscape sgc",
-    }
-)
-ISSUER_REF = Obj({"name": DNS_SUBDOMAIN, "kind": str, "group": str}, required=("name",))
-CERTIFICATE_SPEC = Obj(
-    {
-        "secretName": DNS_SUBDOMAIN,
-        "commonName": str,
-        "dnsNames": ListOf(str),
-        "uris": ListOf(str),
-        "ipAddresses": ListOf(str),
-        "emailAddresses": ListOf(str),
-        "duration": GO_DURATION,
-        "renewBefore": GO_DURATION,
-        "renewBeforePercentage": int,
-        "usages": ListOf(KEY_USAGES),
-        "isCA": bool,
-        "issuerRef": ISSUER_REF,
-        "privateKey": Obj(
-            {
-                "algorithm": frozenset({"RSA", "ECDSA", "Ed25519"}),
-                "encoding": frozenset({"PKCS1", "PKCS8"}),
-                "size": int,
-                "rotationPolicy": frozenset({"Never", "Always"}),
-            }
-        ),
-        "subject": Obj(
-            {
-                key: ListOf(str)
-                for key in (
-                    "organizations",
-                    "organizationalUnits",
-                    "countries",
-                    "localities",
-                    "provinces",
-                    "streetAddresses",
-                    "postalCodes",
-                )
-            }
-        ),
-        "secretTemplate": Obj({"labels": MapOf(LABEL_VALUE, LABEL_KEY), "annotations": MapOf(str)}),
-        "revisionHistoryLimit": int,
-        "encodeUsagesInRequest": bool,
-    },
-    required=("secretName", "issuerRef"),
-)
-CRL = {"crlDistributionPoints": ListOf(str)}
-# An Issuer is exactly one kind of issuer: each alternative admits only its own field.
-ISSUER_SPEC = (
-    Obj({"selfSigned": Obj(CRL)}, required=("selfSigned",)),
-    Obj(
-        {
-            "ca": Obj(
-                {"secretName": DNS_SUBDOMAIN, **CRL, "ocspServers": ListOf(str), "issuingCertificateURLs": ListOf(str)},
-                required=("secretName",),
-            )
-        },
-        required=("ca",),
-    ),
-)
-CRD_SHAPES: dict[tuple[str, str], Obj] = {
-    (api, kind): Obj(
-        {"apiVersion": frozenset({api}), "kind": frozenset({kind}), "metadata": METADATA, "spec": spec},
-        required=("apiVersion", "kind", "metadata", "spec"),
-    )
-    for api, kind, spec in (
-        (
-            OPERATOR_API,
-            "PodMonitor",
-            Obj(
-                {
-                    "selector": LABEL_SELECTOR,
-                    "namespaceSelector": Obj({"any": bool, "matchNames": ListOf(str)}),
-                    "podMetricsEndpoints": ListOf(POD_METRICS_ENDPOINT, min_items=1),
-                    "jobLabel": str,
-                    "podTargetLabels": ListOf(str),
-                    "sampleLimit": int,
-                },
-                required=("selector", "podMetricsEndpoints"),
-            ),
-        ),
-        (
-            OPERATOR_API,
-            "PrometheusRule",
-            Obj(
-                {
-                    "groups": ListOf(
-                        Obj(
-                            {
-                                "name": str,
-                                "interval": DURATION,
-                                "limit": int,
-                                "query_offset": DURATION,
-                                "partial_response_strategy": str,
-                                "rules": ListOf(RULE),
-                            },
-                            required=("name", "rules"),
-                        ),
-                        min_items=1,
-                    )
-                },
-                required=("groups",),
-            ),
-        ),
-        (CERT_MANAGER_API, "Certificate", CERTIFICATE_SPEC),
-        (CERT_MANAGER_API, "Issuer", ISSUER_SPEC),
-    )
-}
-
-
-def shape_errors(node: Any, shape: Any, path: str = "") -> list[str]:
-    """Where `node` departs from `shape` (empty: it fits)."""
-    where = path or "."
-    if isinstance(shape, tuple):
-        return [] if any(not shape_errors(node, s, path) for s in shape) else [f"{where}: {node!r} fits no shape"]
-    if isinstance(shape, type):
-        fits = isinstance(node, shape) and not (shape is int and isinstance(node, bool))
-        return [] if fits else [f"{where}: expected {shape.__name__}, got {node!r}"]
-    if isinstance(shape, frozenset):
-        return [] if node in shape else [f"{where}: {node!r} is not one of {sorted(shape)}"]
-    if isinstance(shape, re.Pattern):
-        fits = isinstance(node, str) and shape.fullmatch(node) is not None
-        return [] if fits else [f"{where}: {node!r} does not match {shape.pattern}"]
-    if isinstance(shape, ListOf):
-        if not isinstance(node, list):
-            return [f"{where}: expected a list, got {node!r}"]
-        short = [f"{where}: fewer than {shape.min_items} items"] if len(node) < shape.min_items else []
-        return short + [e for i, item in enumerate(node) for e in shape_errors(item, shape.items, f"{path}[{i}]")]
-    if not isinstance(node, dict):
-        return [f"{where}: expected an object, got {node!r}"]
-    if isinstance(shape, MapOf):
-        return [
-            e
-            for key, value in node.items()
-            for e in ([] if isinstance(key, str) and shape.keys.fullmatch(key) else [f"{where}: bad key {key!r}"])
-            + shape_errors(value, shape.values, f"{path}.{key}")
-        ]
-    assert isinstance(shape, Obj), shape
-    errors = [f"{path}.{key}: '{key}' was unexpected" for key in node if key not in shape.fields]
-    errors += [f"{path}.{key}: required" for key in shape.required if key not in node]
-    return errors + [
-        e
-        for key, value in node.items()
-        if key in shape.fields
-        for e in shape_errors(value, shape.fields[key], f"{path}.{key}")
-    ]
-
 
 # ------------------------------------------------- lint, validation, golden
 
@@ -505,12 +80,17 @@ def test_default_image_tag_is_the_package_version() -> None:
     assert APP_VERSION == project["version"]
 
 
-def test_examples_are_the_three_triton_modes() -> None:
-    assert sorted(p.stem for p in (CHART / "examples").glob("*.yaml")) == list(EXAMPLES)
+def test_examples_are_the_three_triton_modes_and_the_gateways_ingress() -> None:
+    assert sorted(p.stem for p in (CHART / "examples").glob("*.yaml")) == sorted(EXAMPLES)
     modes = {
         name: yaml.safe_load((CHART / "examples" / f"{name}.yaml").read_text())["triton"]["mode"] for name in EXAMPLES
     }
-    assert modes == {"cpu-embedded": "embedded", "external-triton": "external", "gpu-sidecar": "sidecar"}
+    assert modes == {
+        "cpu-embedded": "embedded",
+        "external-triton": "external",
+        "gpu-sidecar": "sidecar",
+        GATEWAY_EXAMPLE: "embedded",
+    }
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -537,7 +117,8 @@ def test_lint_strict_with_tls(helm: str) -> None:
 def test_every_object_validates_strictly(helm: str, value_set: str, kube: str) -> None:
     docs = render(helm, value_set, kube=kube)
     kinds = sorted(doc["kind"] for doc in docs)
-    assert kinds.count("Deployment") == 3 and kinds.count("Service") == 3
+    # router, worker, prober and gateway; Services: the routers' two, the workers' headless one, the gateway's.
+    assert kinds.count("Deployment") == 4 and kinds.count("Service") == 4
     assert validation_errors(docs, kube) == []
 
 
@@ -682,6 +263,28 @@ BAD_VALUES = {
     "cert-manager-without-its-crds": (TLS_CERT_MANAGER, "tls.mode"),
     "certificate-duration-in-days": (overrides(tls__certManager__duration="90d"), "tls.certManager.duration"),
     "misspelt-tls-key": (overrides(tls__existingSecret={"router": "mesh-router-tls"}), "existingSecret"),
+    # The gateway's (on by default).
+    "gateway-grace-shorter-than-drain": (
+        overrides(gateway__terminationGracePeriodSeconds=43),  # 10 + 30 + 2 + 2 = 44
+        "gateway.terminationGracePeriodSeconds",
+    ),
+    "gateway-port-on-the-health-port": (overrides(gateway__port=8081), "gateway.port"),
+    "metrics-port-on-the-gateway-port": (overrides(metrics__port=8000), "metrics.port"),
+    "gateway-autoscaling-without-cpu-request": (
+        overrides(gateway__autoscaling__enabled=True, gateway__resources__requests=None),
+        "gateway.resources.requests.cpu",
+    ),
+    "gateway-ingress-without-host": (overrides(gateway__ingress__enabled=True), "gateway.ingress.host"),
+    "cors-origin-with-a-path": (overrides(gateway__corsOrigins=["https://app.example/"]), "gateway.corsOrigins"),
+    "gateway-open-to-no-one-named": (overrides(networkPolicy__gatewayFrom=[]), "networkPolicy.gatewayFrom"),
+    "existing-secret-without-the-gateways": (
+        overrides(
+            tls__mode="existingSecret",
+            tls__existingSecrets={c: f"mesh-{c}-tls" for c in ("router", "worker", "prober")},
+        ),
+        "tls.existingSecrets.gateway",
+    ),
+    "misspelt-gateway-key": (overrides(gateway__replica=3), "replica"),
 }
 
 
@@ -724,7 +327,8 @@ def test_drain_budget_at_its_limit_renders(helm: str) -> None:
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_probes_are_grpc_on_the_numeric_health_port(helm: str, value_set: str) -> None:
-    for container in tokenmesh_containers(render(helm, value_set)):
+    # The gateway's are HTTP (/health on the same port number): tests/repo/test_chart_gateway.py.
+    for container in [c for c in tokenmesh_containers(render(helm, value_set)) if c["args"][0] != "gateway"]:
         port = int(arg(container, "--health-port"))
         assert {"name": "health", "containerPort": port} in container["ports"]
         for probe, service in (
@@ -806,9 +410,9 @@ def allowed_disruptions(pdb: dict[str, Any], replicas: int) -> int:
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_pdbs_never_block_a_one_replica_drain(helm: str, value_set: str) -> None:
-    docs = render(helm, value_set, overrides(router__replicas=1, worker__replicas=1))
+    docs = render(helm, value_set, overrides(router__replicas=1, worker__replicas=1, gateway__replicas=1))
     pdbs = objects(docs, "PodDisruptionBudget")
-    assert sorted(pdbs) == [f"{RELEASE}-router", f"{RELEASE}-worker"]
+    assert sorted(pdbs) == [f"{RELEASE}-gateway", f"{RELEASE}-router", f"{RELEASE}-worker"]
     for name, pdb in pdbs.items():
         pods = [
             d
@@ -942,10 +546,8 @@ def test_network_policies_are_optional_and_open_only_the_mesh_paths(helm: str) -
     docs = render(helm, "gpu-sidecar")
     example = yaml.safe_load((CHART / "examples" / "gpu-sidecar.yaml").read_text())["networkPolicy"]
     policies = objects(docs, "NetworkPolicy")
-    assert sorted(policies) == [f"{RELEASE}-{c}" for c in ("prober", "router", "worker")]
-    pod_labels = {
-        c: deployment(docs, c)["spec"]["template"]["metadata"]["labels"] for c in ("router", "worker", "prober")
-    }
+    assert sorted(policies) == [f"{RELEASE}-{c}" for c in sorted(COMPONENTS)]
+    pod_labels = {c: deployment(docs, c)["spec"]["template"]["metadata"]["labels"] for c in COMPONENTS}
 
     def sources(component: str, port: int) -> list[Any]:
         policy = policies[f"{RELEASE}-{component}"]["spec"]
@@ -963,10 +565,14 @@ def test_network_policies_are_optional_and_open_only_the_mesh_paths(helm: str) -
         }
 
     assert example["callers"][0] in sources("router", 50051)
-    assert components(sources("router", 50051)) == {"prober"}
+    assert components(sources("router", 50051)) == {"prober", "gateway"}
     assert components(sources("worker", 50061)) == {"router", "prober"}
     assert sources("worker", 8002) == example["metricsFrom"]
-    for component in ("router", "worker", "prober"):
+    # The gateway's port: the ingress controller's namespace alone (the default networkPolicy.gatewayFrom).
+    assert sources("gateway", 8000) == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    ]
+    for component in COMPONENTS:
         assert sources(component, 8081) == [{"anyone": True}], "the kubelet's probes come from the node"
         assert sources(component, METRICS_PORT) == example["metricsFrom"], f"{component}: metrics not scrapable"
 
@@ -1038,7 +644,7 @@ def test_pod_monitor_scrapes_the_metrics_port_of_every_tokenmesh_pod(helm: str, 
     assert spec["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
     assert "namespaceSelector" not in spec, "the PodMonitor's own namespace: the release's"
     selected = sorted(name for name, labels in pod_labels(docs).items() if selects(spec["selector"], labels))
-    assert selected == [f"{RELEASE}-{c}" for c in ("prober", "router", "worker")]
+    assert selected == [f"{RELEASE}-{c}" for c in sorted(COMPONENTS)]
     for name in selected:
         ports = [
             p
@@ -1050,7 +656,7 @@ def test_pod_monitor_scrapes_the_metrics_port_of_every_tokenmesh_pod(helm: str, 
     # Another release's pods (or a pod of another component) are not scraped twice.
     router = pod_labels(docs)[f"{RELEASE}-router"]
     assert not selects(spec["selector"], {**router, "app.kubernetes.io/instance": "other"})
-    assert not selects(spec["selector"], {**router, "app.kubernetes.io/component": "gateway"})
+    assert not selects(spec["selector"], {**router, "app.kubernetes.io/component": "mesh"})
 
 
 def test_pod_monitor_interval_is_a_value(helm: str) -> None:
@@ -1127,7 +733,9 @@ def test_tls_is_off_by_default(helm: str) -> None:
         assert not {"Certificate", "Issuer"} & {doc["kind"] for doc in docs}
         for doc in objects(docs, "Deployment").values():
             spec = doc["spec"]["template"]["spec"]
-            assert not [v for v in spec["volumes"] if "secret" in v], doc["metadata"]["name"]
+            # No Secret but the gateway's API keys (examples/gateway-ingress.yaml).
+            secrets = [v["name"] for v in spec["volumes"] if "secret" in v]
+            assert secrets in ([], ["api-keys"]), doc["metadata"]["name"]
             for container in containers(spec):
                 assert not [a for a in container.get("args", []) if a.startswith("--tls")], container["args"]
                 assert not [m for m in container["volumeMounts"] if m["mountPath"].startswith(TLS_DIR)]
@@ -1139,7 +747,8 @@ def test_tls_objects_validate(helm: str, case: str, kube: str) -> None:
     docs = render_tls(helm, case, kube)
     kinds = [doc["kind"] for doc in docs]
     own_ca = case == "cert-manager"
-    expected = {"existing-secret": 0, "existing-secret-tls-only": 0, "cert-manager": 4, "cert-manager-given-issuer": 3}[
+    # One per component (the gateway's too), and the chart's own CA's.
+    expected = {"existing-secret": 0, "existing-secret-tls-only": 0, "cert-manager": 5, "cert-manager-given-issuer": 4}[
         case
     ]
     assert (kinds.count("Certificate"), kinds.count("Issuer")) == (expected, 2 if own_ca else 0)
@@ -1162,7 +771,7 @@ def test_every_tokenmesh_container_gets_its_own_certificate_directory(helm: str,
             f"{TLS_DIR}/tls.key",
             f"{TLS_DIR}/ca.crt",
         )
-        # Routers and the prober reach pods by IP: they verify the name every certificate carries.
+        # Routers, the prober and the gateway reach pods by IP: they verify the name every certificate carries.
         names = [a for a in container["args"] if a.startswith("--tls-server-name")]
         assert names == ([] if component == "worker" else [f"--tls-server-name={TLS_SERVER_NAME}"])
         volume = tls_volume(spec, container)
@@ -1171,14 +780,19 @@ def test_every_tokenmesh_container_gets_its_own_certificate_directory(helm: str,
         secrets[component] = volume["secret"]["secretName"]
         if certificates:
             assert secrets[component] == certificates[component]["spec"]["secretName"]
-        # No other container (the Triton sidecar) sees the key; the probes stay plaintext gRPC.
+        # No other container (the Triton sidecar) sees the key; the probes stay plaintext (gRPC, the gateway's HTTP).
         for other in containers(spec):
             if other is not container:
                 assert volume["name"] not in [m["name"] for m in other["volumeMounts"]], other["name"]
-        assert container["readinessProbe"]["grpc"]["port"] == int(arg(container, "--health-port"))
+        readiness = container["readinessProbe"]
+        if component == "gateway":
+            assert readiness["httpGet"] == {"path": "/health", "port": "health"} and "scheme" not in readiness
+            assert {"name": "health", "containerPort": int(arg(container, "--health-port"))} in container["ports"]
+        else:
+            assert readiness["grpc"]["port"] == int(arg(container, "--health-port"))
     if not certificates:
         assert secrets == EXISTING_SECRETS
-    assert len(set(secrets.values())) == 3, "one identity per component"
+    assert len(set(secrets.values())) == len(COMPONENTS), "one identity per component"
 
 
 def test_cert_manager_certificates_carry_identity_and_names(helm: str) -> None:
@@ -1196,7 +810,7 @@ def test_cert_manager_certificates_carry_identity_and_names(helm: str) -> None:
         # And the names of the component's Services, short to fully qualified.
         labels = deployment(docs, component)["spec"]["template"]["metadata"]["labels"]
         own = [name for name, service in services.items() if labels_match(service["spec"]["selector"], labels)]
-        assert len(own) == {"router": 2, "worker": 1, "prober": 0}[component]
+        assert len(own) == {"router": 2, "worker": 1, "prober": 0, "gateway": 1}[component]
         assert sorted(spec["dnsNames"]) == sorted(
             [
                 TLS_SERVER_NAME,
@@ -1285,6 +899,16 @@ CONFIG_CASES: dict[str, tuple[str, Overrides, tuple[str, ...]]] = {
         (),
     ),
     "metrics-off": ("gpu-sidecar", overrides(metrics__enabled=False), ()),
+    "gateway-options": (
+        "defaults",
+        overrides(
+            gateway__defaultModel="smollm2",
+            gateway__corsOrigins=["https://chat.example.com", "http://localhost:5173"],
+            gateway__apiKeys__existingSecret="keys",
+            gateway__extraArgs=["--timeout-s=600"],
+        ),
+        (),
+    ),
     **{f"tls-{name}": case for name, case in TLS_CASES.items()},
 }
 
@@ -1310,14 +934,28 @@ def tls_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dirs
 
 
+@pytest.fixture(scope="module")
+def api_keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder shaped like the gateway's mounted API keys Secret (its key `api-keys`: the keys file)."""
+    folder = tmp_path_factory.mktemp("api-keys")
+    (folder / "api-keys").write_text(f"{'ab' * 32} team-a\n")
+    return folder
+
+
 @pytest.mark.parametrize("case", CONFIG_CASES)
-def test_container_args_pass_the_real_config_check(case: str, tls_dirs: dict[str, Path]) -> None:
+def test_container_args_pass_the_real_config_check(case: str, tls_dirs: dict[str, Path], api_keys_dir: Path) -> None:
     # The renders of both helms are byte-identical (test_golden_render), so one suffices.
     value_set, extra, api_versions = CONFIG_CASES[case]
     for container in tokenmesh_containers(render("helm4", value_set, extra, api_versions=api_versions)):
         env = {**os.environ, **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}
-        # --check-config reads the certificate files: the mounted Secret's paths point at real ones here.
-        args = [a.replace(f"{TLS_DIR}/", f"{tls_dirs[container['args'][0]]}/") for a in container["args"]]
+        # --check-config reads the certificate files and the keys file: the mounted Secrets' paths point at
+        # real ones here.
+        args = [
+            a.replace(f"{TLS_DIR}/", f"{tls_dirs[container['args'][0]]}/").replace(
+                f"{API_KEYS_DIR}/", f"{api_keys_dir}/"
+            )
+            for a in container["args"]
+        ]
         done = subprocess.run(
             [str(BIN / "tokenmesh"), *args, "--check-config"],
             capture_output=True,

@@ -190,8 +190,8 @@ directory (never subPath: a subPath mount would not see renewed files).
 {{- end -}}
 
 {{/*
-The DNS SAN every certificate of the release carries, and the name routers
-and the prober verify (--tls-server-name): they reach pods by IP.
+The DNS SAN every certificate of the release carries, and the name routers,
+the prober and the gateway verify (--tls-server-name): they reach pods by IP.
 */}}
 {{- define "tokenmesh.tls.serverName" -}}
 {{- printf "%s-mesh.%s.svc" (include "tokenmesh.fullname" . | trunc 58 | trimSuffix "-") .Release.Namespace -}}
@@ -210,6 +210,14 @@ and the prober verify (--tls-server-name): they reach pods by IP.
 
 {{- define "tokenmesh.tls.dir" -}}/etc/tokenmesh/tls{{- end -}}
 
+{{/* Where the gateway's API keys Secret is mounted, whole (gateway.apiKeys). */}}
+{{- define "tokenmesh.gateway.apiKeysDir" -}}/etc/tokenmesh/api-keys{{- end -}}
+
+{{/* The components of the release: the gateway while gateway.enabled. */}}
+{{- define "tokenmesh.components" -}}
+{{- toJson (concat (list "router" "worker" "prober") (ternary (list "gateway") (list) .Values.gateway.enabled)) -}}
+{{- end -}}
+
 {{/* A tokenmesh container's --tls-* args, one per line: (list $ "router"). */}}
 {{- define "tokenmesh.tls.args" -}}
 {{- $root := index . 0 -}}
@@ -219,7 +227,7 @@ and the prober verify (--tls-server-name): they reach pods by IP.
 - --tls-cert={{ $dir }}/tls.crt
 - --tls-key={{ $dir }}/tls.key
 - --tls-ca={{ $dir }}/ca.crt
-{{- if has (index . 1) (list "router" "prober") }}
+{{- if has (index . 1) (list "router" "prober" "gateway") }}
 - --tls-server-name={{ include "tokenmesh.tls.serverName" $root }}
 {{- end }}
 {{- end -}}

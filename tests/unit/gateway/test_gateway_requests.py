@@ -14,6 +14,7 @@ import httpx
 import orjson
 import pytest
 
+from tests.support.dns_server import free_port_on
 from tests.support.gateway_helpers import gateway_over
 from tests.support.mesh import InProcessMesh
 from tokenmesh.config import ConfigError
@@ -281,7 +282,6 @@ async def test_a_method_a_route_does_not_take_is_405_with_allow_naming_its_metho
         "/v1/models": "GET",
         "/v1/models/x1": "GET",
         "/health": "GET",
-        "/metrics": "GET",
     }
     assert {_concrete(r.path): r.method for r in ROUTES} == expected
     async with gateway_over(None, routers=(_dead_router(),), retry_deadline_s=0.2) as gateway:
@@ -301,7 +301,8 @@ async def test_a_method_a_route_does_not_take_is_405_with_allow_naming_its_metho
 
 
 async def test_a_path_no_route_has_is_404_naming_the_paths_served() -> None:
-    async with gateway_over(None, routers=(_dead_router(),)) as gateway:
+    metrics_port = free_port_on("127.0.0.1")
+    async with gateway_over(None, routers=(_dead_router(),), metrics_port=metrics_port) as gateway:
         async with httpx.AsyncClient(base_url=f"http://{gateway.address}") as http:
             for method, path in (
                 ("GET", "/v1/models/"),
@@ -309,6 +310,7 @@ async def test_a_path_no_route_has_is_404_naming_the_paths_served() -> None:
                 ("POST", "/v2/chat"),
                 ("GET", "/v1/completions/x/stream/more"),
                 ("GET", "/healthz"),
+                ("GET", "/metrics"),  # on --metrics-port only, never on the public port
                 ("PUT", "/"),
             ):
                 response = await http.request(method, path)
@@ -317,14 +319,15 @@ async def test_a_path_no_route_has_is_404_naming_the_paths_served() -> None:
                 error = response.json()["error"]
                 assert error["code"] == "not_found"
                 assert f"no route {path};" in error["message"] and "/v1/chat/completions" in error["message"]
-            metrics = (await http.get("/metrics")).text
+            metrics = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
     assert {label for label, status in _labels(metrics) if status == "404"} == {"other"}
 
 
 async def test_the_requests_counter_labels_each_request_with_its_route_template_never_the_path(
     mesh: InProcessMesh,
 ) -> None:
-    async with gateway_over(mesh) as gateway:
+    async with gateway_over(mesh, metrics_port=free_port_on("127.0.0.1")) as gateway:
+        assert gateway.metrics_endpoint is not None
         async with httpx.AsyncClient(base_url=f"http://{gateway.address}") as http:
             for route in ROUTES:
                 wrong = "PATCH"
@@ -332,7 +335,7 @@ async def test_the_requests_counter_labels_each_request_with_its_route_template_
             assert (await http.get("/health")).status_code == 200
             assert (await http.get("/v1/models/some-model")).status_code == 404  # the route's own 404
             assert (await http.get("/nowhere")).status_code == 404
-            metrics = (await http.get("/metrics")).text
+            metrics = (await http.get(f"http://127.0.0.1:{gateway.metrics_endpoint.port}/metrics")).text
     labels = _labels(metrics)
     assert {label for label, status in labels if status == "405"} == {r.path for r in ROUTES}
     assert ("/health", "200") in labels and ("/v1/models/{model}", "404") in labels and ("other", "404") in labels
@@ -356,6 +359,13 @@ def test_gateway_settings_are_checked(tmp_path: Path) -> None:
         ({}, "at least one router"),
         ({"routers": ("r",)}, "host:port"),
         ({"routers": ("r:1",), "port": 70000}, "port must be"),
+        ({"routers": ("r:1",), "metrics_port": 8000}, "metrics_port must differ from port"),
+        ({"routers": ("r:1",), "health_port": 8000}, "health_port must differ from port"),
+        ({"routers": ("r:1",), "health_port": 9090, "metrics_port": 9090}, "health_port and metrics_port must differ"),
+        ({"routers": ("r:1",), "metrics_port": -1}, "metrics_port must be 0..65535"),
+        ({"routers": ("r:1",), "cors_origins": ("https://app.example/",)}, "no trailing"),
+        ({"routers": ("r:1",), "cors_origins": ("app.example",)}, "scheme://host"),
+        ({"routers": ("r:1",), "cors_origins": ("*",)}, "scheme://host"),
         ({"routers": ("r:1",), "max_body_bytes": 10}, "max_body_bytes"),
         ({"routers": ("r:1",), "keepalive_s": 0}, "keepalive_s"),
         ({"routers": ("r:1",), "timeout_s": -1}, "timeout_s"),
