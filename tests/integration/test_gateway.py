@@ -263,3 +263,29 @@ def test_a_router_killed_mid_stream_is_invisible_to_http_and_grpc_callers(tmp_pa
         for router in routers:
             stop_process(router.proc, 10)
     assert not left_behind(pids)
+
+
+def test_the_openai_sdk_answers_paris_through_the_responses_api(mesh: MeshHandle) -> None:
+    client = openai.OpenAI(base_url=url_of(mesh), api_key="x", max_retries=0)
+    events = list(
+        client.responses.create(model="smollm2", input=FRANCE, temperature=0, max_output_tokens=48, stream=True)
+    )
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert "Paris" in text and events[-1].type == "response.completed"
+    final = events[-1].response
+    assert final.output_text == text and final.usage is not None
+    assert final.usage.input_tokens > 0 and final.usage.output_tokens > 0
+
+    background = client.responses.create(
+        model="smollm2", input=FRANCE, temperature=0, max_output_tokens=48, background=True
+    )
+    deadline = time.monotonic() + 60
+    polled = client.responses.retrieve(background.id)
+    while polled.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        polled = client.responses.retrieve(background.id)
+    assert polled.status == "completed" and "Paris" in polled.output_text
+    replayed = list(client.responses.retrieve(background.id, stream=True, starting_after=3))
+    assert [e.sequence_number for e in replayed] == list(range(4, 4 + len(replayed)))
+    assert "".join(e.delta for e in replayed if e.type == "response.output_text.delta") == polled.output_text
