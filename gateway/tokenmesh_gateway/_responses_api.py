@@ -143,9 +143,11 @@ class ResponsesApi:
         after = -1
         if "starting_after" in query:
             after = seq_of(query["starting_after"][-1], "starting_after")
-        kept = await self._find(request_id, tenant)
-        if flag(query, "stream"):
+        stream = flag(query, "stream")
+        if stream:
             app._refuse_if_draining()
+        kept = await self._find(request_id, tenant)
+        if stream:
             prefix = f"{tenant}/" if tenant else ""
             answer = ResponsesAnswer(True, kept.head, after, id_prefix=prefix)
             await app.exchanges.answer(kept.replay, answer, receive, send)
@@ -209,6 +211,7 @@ class ResponsesApi:
                 f"{self.store.retention_s:g} s from their creation",
                 code="expired",
             )
+        self.app._refuse_if_draining()  # a stopping gateway adopts nothing: another one will
         kept = Kept(mesh_id, Head(request_id, created, self.app.config.default_model, Echo(background=True)))
         self.store.add(kept)
         kept.follow(self.app.client.resume(mesh_id, 0, timeout=self.app._timeout()))

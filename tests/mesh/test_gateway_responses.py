@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -12,7 +13,7 @@ import pytest
 from tests.support.gateway_helpers import gateway_over
 from tests.support.mesh import InProcessMesh, expected_text, in_process_mesh, wait_until
 from tokenmesh.router import Router, RouterConfig
-from tokenmesh_gateway import Gateway
+from tokenmesh_gateway import Gateway, hash_key
 
 OPENING = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
 CLOSING = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
@@ -184,3 +185,24 @@ async def test_refusals_and_unknown_ids_name_the_field(mesh: InProcessMesh) -> N
             assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "response_id"
             moved = await http.put("/responses")
             assert moved.status_code == 405 and moved.headers["allow"] == "POST"
+
+
+async def test_a_tenant_can_neither_see_nor_cancel_another_tenants_background_response(
+    mesh: InProcessMesh, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"{hash_key('sk-search')} search\n{hash_key('sk-ads')} ads\n")
+    for backend in mesh.backends:
+        backend.delay = 0.02
+    async with gateway_over(mesh, api_keys_file=str(keys)) as gateway:
+        search = openai.AsyncOpenAI(base_url=gateway.url, api_key="sk-search", max_retries=0)
+        ads = openai.AsyncOpenAI(base_url=gateway.url, api_key="sk-ads", max_retries=0)
+        created = await search.responses.create(model="fake", input="hi", max_output_tokens=100, background=True)
+        params = [g.params for b in mesh.backends for g in b.started][-1]
+        assert params.request_id == "search/" + created.id.removeprefix("resp_")
+        assert params.labels == {"tenant": "search"}
+        for call in (ads.responses.retrieve, ads.responses.cancel):
+            with pytest.raises(openai.NotFoundError):
+                await call(created.id)
+        assert running(mesh), "another tenant's cancel reached nothing"
+        assert (await search.responses.cancel(created.id)).status == "cancelled"
