@@ -7,7 +7,9 @@ A stream is ``response.created`` (0), ``response.in_progress`` (1),
 ``response.content_part.done``, ``response.output_item.done`` and the end:
 ``response.completed`` (the model stopped), ``response.incomplete`` (at
 ``max_output_tokens``; also a cancelled response, whose status says
-``cancelled``) or ``response.failed``. The final chunk's delta is event
+``cancelled``) or ``response.failed`` (an error after the first chunk: the
+Response with its error and its text so far, numbered after the last event
+sent). The final chunk's delta is event
 ``3 + L`` when it has text (the closing events follow from ``4 + L``), else
 the closing events start at ``3 + L``. Every ``sequence_number`` is thus a
 function of the generation alone, whichever gateway writes it and after any
@@ -180,10 +182,13 @@ class ResponsesAnswer:
         return orjson.dumps(response_object(head, outcome))
 
     def error_event(self, error: HttpError) -> bytes:
-        """An ``error`` event (OpenAI's stream error), numbered after the last event sent: the end of the stream."""
-        number = self.encoding.next_number if self.encoding is not None else 0
-        body = {"code": error.code, "message": error.message, "param": error.param}
-        return _event(b"error", number, body)
+        """``response.failed``, numbered after the last event sent: the end of the stream.
+
+        It carries the Response with its error and its output so far; before any event, OpenAI's bare ``error``.
+        """
+        if self.encoding is None:
+            return _event(b"error", 0, {"code": error.code, "message": error.message, "param": error.param})
+        return self.encoding.failed(error)
 
 
 class ResponsesEncoder:
@@ -257,6 +262,14 @@ class ResponsesEncoder:
             + str(number).encode()
             + b"}\n\n"
         )
+
+    def failed(self, error: HttpError) -> bytes:
+        """``response.failed`` after the events sent so far: the Response, its error and its text so far."""
+        response = response_object(self.head, Outcome("failed", "".join(self.texts), error=error))
+        out = self._opening + _event(b"response.failed", self.next_number, {"response": response})
+        self._opening = b""
+        self.next_number += 1
+        return out
 
     def last(self, chunk: inference_pb2.GenerateChunk) -> bytes:
         """The final chunk's delta (if it has text), the done events and the end: the rest of the stream."""

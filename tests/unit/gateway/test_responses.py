@@ -14,7 +14,7 @@ from tokenmesh.v1 import inference_pb2
 from tokenmesh_gateway import HttpError
 from tokenmesh_gateway._response_store import Kept, ResponseStore, background_id, created_of
 from tokenmesh_gateway._responses import Echo, parse
-from tokenmesh_gateway._responses_sse import Head, ResponsesEncoder
+from tokenmesh_gateway._responses_sse import Head, ResponsesAnswer, ResponsesEncoder
 
 
 def events_of(raw: bytes) -> list[dict[str, Any]]:
@@ -181,3 +181,16 @@ async def test_the_store_is_bounded_in_count_and_time() -> None:
     assert cancelled == ["old"]
     await store.close()
     assert not store.kept and all(k.task is not None and k.task.cancelled() for k in (first, second, old))
+
+
+def test_an_error_mid_stream_is_response_failed_numbered_after_the_last_event() -> None:
+    answer = ResponsesAnswer(True, HEAD)
+    encoder = answer.encoder("r1", "fake")
+    raw = encoder.chunk(chunk(1, "a")) + encoder.chunk(chunk(2, "b"))
+    raw += answer.error_event(HttpError(503, "no live worker", code="unavailable"))
+    events = events_of(raw)
+    assert [e["sequence_number"] for e in events] == list(range(7))
+    failed = events[-1]
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "server_error", "message": "no live worker"}
+    assert failed["response"]["output"][0]["content"][0]["text"] == "ab"
