@@ -77,12 +77,16 @@ class Kept:
     completed_at: int | None
     task: asyncio.Task[None] | None
     """The follow task (reads the mesh's stream into chunks)."""
+    on_lost: Callable[[], object] | None
+    """Called when the follow stream fails before its first chunk (an adopted response: nothing is known of it,
+    so it is forgotten, not recorded as failed; the next retrieve tries again)."""
     _changed: asyncio.Event
     """Set, and replaced, on every new chunk and at the end."""
 
-    def __init__(self, mesh_id: str, head: Head) -> None:
+    def __init__(self, mesh_id: str, head: Head, on_lost: Callable[[], object] | None = None) -> None:
         self.mesh_id = mesh_id
         self.head = head
+        self.on_lost = on_lost
         self.chunks = []
         self.error = None
         self.completed_at = None
@@ -114,6 +118,8 @@ class Kept:
                     self._wake()
         except MeshError as error:
             self.error = error
+            if not self.chunks and self.on_lost is not None:
+                self.on_lost()
         except Exception as error:  # a fault of ours: this response fails, every other goes on
             log.exception("gateway: following %s failed", self.mesh_id)
             self.error = MeshError(f"the gateway failed following this response: {error}")
@@ -239,6 +245,11 @@ class ResponseStore:
         if kept is not None and kept.task is not None:
             kept.task.cancel()
         return kept
+
+    def forget(self, kept: Kept) -> None:
+        """Stop keeping kept, if it is still the one kept by its id."""
+        if self.kept.get(kept.mesh_id) is kept:
+            del self.kept[kept.mesh_id]
 
     def _expire(self) -> None:
         """Drop the responses past their retention (oldest first), cancelling those still running."""

@@ -66,6 +66,10 @@ START_WAIT_S = 2.0
 """How long a background create (or an adopting retrieve) waits for the first chunk before it answers ``queued``:
 long enough that a request the mesh refuses is a real 4xx/5xx, as on every other route."""
 
+ADOPT_WAIT_S = 3.0
+"""How long an adopting retrieve waits for the replay to begin: longer than a router waits (2 s) for its own stream
+of that id to end before it refuses a second one (409: the gateway that follows it reads through that router)."""
+
 REPLAY_GAP_S = 0.05
 """An adopted response's replay is caught up once no chunk came for this long (the replay comes at once)."""
 
@@ -126,7 +130,7 @@ class ResponsesApi:
         finally:
             span.end()
         if kept.error is not None and not kept.chunks:
-            self.store.remove(kept.mesh_id)
+            self.store.forget(kept)
             raise from_mesh(kept.error)
         if parsed.stream:
             answer = ResponsesAnswer(True, kept.head, id_prefix=prefix, opening_status="queued")
@@ -212,21 +216,22 @@ class ResponsesApi:
                 code="expired",
             )
         self.app._refuse_if_draining()  # a stopping gateway adopts nothing: another one will
-        kept = Kept(mesh_id, Head(request_id, created, self.app.config.default_model, Echo(background=True)))
-        self.store.add(kept)
-        kept.follow(self.app.client.resume(mesh_id, 0, timeout=self.app._timeout()))
-        await kept.caught_up(REPLAY_GAP_S, START_WAIT_S)
-        if kept.error is not None and not kept.chunks:
-            self.store.remove(mesh_id)
-            if isinstance(kept.error, NotFound):
+        adopted = Kept(mesh_id, Head(request_id, created, self.app.config.default_model, Echo(background=True)))
+        adopted.on_lost = lambda: self.store.forget(adopted)
+        self.store.add(adopted)
+        adopted.follow(self.app.client.resume(mesh_id, 0, timeout=self.app._timeout()))
+        await adopted.caught_up(REPLAY_GAP_S, ADOPT_WAIT_S)
+        if adopted.error is not None and not adopted.chunks:
+            self.store.forget(adopted)
+            if isinstance(adopted.error, NotFound):
                 raise HttpError(
                     404,
                     f"response {PREFIX + request_id!r} is no longer on the mesh: cancelled or deleted, or the "
                     "gateway following it stopped and no gateway retrieved it within the workers' resume grace",
                     code="not_found",
                 )
-            raise from_mesh(kept.error)
-        return kept
+            raise from_mesh(adopted.error)
+        return adopted
 
 
 def _request_id(path_id: str) -> str:

@@ -206,3 +206,38 @@ async def test_a_tenant_can_neither_see_nor_cancel_another_tenants_background_re
                 await call(created.id)
         assert running(mesh), "another tenant's cancel reached nothing"
         assert (await search.responses.cancel(created.id)).status == "cancelled"
+
+
+async def test_a_gateway_over_another_router_follows_a_background_response_too_one_over_the_same_gets_409() -> None:
+    async with in_process_mesh(backend_settings={"delay": 0.02}) as mesh:
+        spare = Router(RouterConfig(port=0, workers=tuple(w.host.address for w in mesh.workers), drain_grace_s=1))
+        await spare.start()
+        try:
+            await wait_until(lambda: all(e.healthy and e.models for e in spare.pool.entries.values()))
+            async with (
+                gateway_over(mesh) as first,
+                gateway_over(mesh) as same_router,
+                gateway_over(None, routers=(spare.host.address,)) as other_router,
+            ):
+                created = await sdk(first).responses.create(
+                    model="fake", input="hi", max_output_tokens=250, background=True
+                )
+                # The router streams it to `first` already: after waiting 2 s for that stream to end, it refuses.
+                with pytest.raises(openai.ConflictError) as conflict:
+                    await sdk(same_router).responses.retrieve(created.id)
+                assert conflict.value.code == "already_exists"
+                assert same_router.app is not None and not same_router.app.responses.store.kept  # not kept as failed
+                streams = await asyncio.gather(*(_events(gateway, created.id) for gateway in (first, other_router)))
+                numbered = [[(e.type, e.sequence_number) for e in events] for events in streams]
+                assert numbered[0] == numbered[1]
+                assert all("".join(e.delta for e in deltas(events)) == expected_text(250) for events in streams)
+                assert sum(len(b.started) for b in mesh.backends) == 1
+                again = await sdk(same_router).responses.retrieve(created.id)  # `first`'s stream is over: adopted
+                assert again.output_text == expected_text(250)
+        finally:
+            await spare.shutdown()
+
+
+async def _events(gateway: Gateway, response_id: str) -> list[Any]:
+    """Every event of a background response, streamed from its start through this gateway."""
+    return [e async for e in await sdk(gateway).responses.retrieve(response_id, stream=True)]
