@@ -1,7 +1,7 @@
 """The HTTP edge of tokenmesh: an OpenAI- and Anthropic-compatible, resumable SSE gateway over the routers.
 
 ``tokenmesh gateway --port 8000 --routers r1:50051,r2:50051`` serves
-``/v1/chat/completions``, ``/v1/completions``, Anthropic's ``/v1/messages``
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, Anthropic's ``/v1/messages``
 (streamed as Server-Sent Events or whole), ``/v1/models`` and ``/health``, through
 :class:`tokenmesh.client.Client`: a router that fails mid-stream is
 invisible to the caller, and a caller whose connection drops resumes with

@@ -38,14 +38,18 @@ from tokenmesh_gateway._cors import Cors
 from tokenmesh_gateway._errors import DEFAULT_RETRY_AFTER_MS, OPENAI_ERRORS, ErrorShape, HttpError, from_mesh, invalid
 from tokenmesh_gateway._fields import decode_body
 from tokenmesh_gateway._http import Receive, Scope, Send, header, read_body, respond, respond_error
+from tokenmesh_gateway._ids import check_id as _check_id
+from tokenmesh_gateway._ids import flag as _flag
+from tokenmesh_gateway._ids import last_event as _last_event
+from tokenmesh_gateway._ids import request_id_of as _request_id
+from tokenmesh_gateway._ids import seq_of as _seq
 from tokenmesh_gateway._openai import Kind, parse, stream_flags
+from tokenmesh_gateway._responses_api import ResponsesApi
 from tokenmesh_gateway._sse import OpenAIAnswer, response_id
 from tokenmesh_gateway._stream import Answer, Exchanges
 
 _PREFLIGHT = b"access-control-request-method"
 """The header that makes an ``OPTIONS`` a CORS preflight."""
-REQUEST_ID = re.compile(r"[A-Za-z0-9._~:-]{1,128}")
-"""What an ``X-Request-Id`` may be: no '/', so it is one path segment (and tenants' ids stay apart)."""
 
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
 
@@ -64,6 +68,8 @@ class GatewayApp:
     config: GatewayConfig
     keys: dict[str, str] | None
     exchanges: Exchanges
+    responses: ResponsesApi
+    """The /v1/responses routes and the background responses this gateway follows."""
     draining: bool
     """New generations get 503 and /health says draining."""
     cors: Cors | None
@@ -76,6 +82,7 @@ class GatewayApp:
         self.config = config
         self.keys = keys
         self.exchanges = Exchanges(config.keepalive_s)
+        self.responses = ResponsesApi(self)
         self.draining = False
         self.cors = Cors(config.cors_origins) if config.cors_origins else None
         self.created = int(time.time())
@@ -404,46 +411,6 @@ class _MethodNotAllowed(HttpError):
         return [(b"allow", self.allowed.encode())]
 
 
-def _request_id(scope: Scope) -> str:
-    value = header(scope, b"x-request-id")
-    if value is None:
-        return ""
-    request_id = value.decode("latin-1")
-    _check_id(request_id, "X-Request-Id")
-    return request_id
-
-
-def _check_id(request_id: str, what: str) -> None:
-    if not REQUEST_ID.fullmatch(request_id):
-        raise invalid(
-            f"{what} must be 1-128 characters of A-Z a-z 0-9 . _ ~ : -, got {request_id[:140]!r}", "request_id"
-        )
-
-
-def _last_event(value: str, request_id: str) -> tuple[str, int]:
-    """(request id, seq) of a ``Last-Event-ID: <request_id>:<seq>``; it must match request_id when one is given."""
-    event_id, colon, seq = value.strip().rpartition(":")
-    if not colon:
-        raise invalid(
-            f"Last-Event-ID must be <request_id>:<seq>, as the events' id lines, got {value[:140]!r}", "Last-Event-ID"
-        )
-    _check_id(event_id, "Last-Event-ID's request id")
-    if request_id and event_id != request_id:
-        raise invalid(f"Last-Event-ID names {event_id!r}, the request {request_id!r}", "Last-Event-ID")
-    return event_id, _seq(seq, "Last-Event-ID")
-
-
-def _seq(value: str, what: str) -> int:
-    if not (value.isascii() and value.isdigit()) or len(value) > 19:
-        raise invalid(f"{what}: the seq must be a whole number >= 0, got {value[:40]!r}", what)
-    return int(value)
-
-
-def _flag(query: dict[str, list[str]], name: str) -> bool:
-    values = query.get(name) or [""]
-    return values[-1].lower() in ("1", "true", "yes", "on")
-
-
 def _model(model: inference_pb2.ModelInfo, created: int) -> dict[str, Any]:
     return {
         "id": model.name,
@@ -517,6 +484,32 @@ ROUTES: tuple[Route, ...] = (
         "an Anthropic Messages generation, streamed (SSE with named events) or whole; errors in Anthropic's shape",
         lambda app, scope, receive, send, _: app._messages(scope, receive, send),
         ANTHROPIC_ERRORS,
+    ),
+    Route(
+        "POST",
+        "/v1/responses",
+        "an OpenAI Responses generation, streamed (SSE, `sequence_number` from the mesh's seq) or whole; "
+        "`background: true` runs it detached, kept for `--responses-retention-s`",
+        lambda app, scope, receive, send, _: app.responses.create(scope, receive, send),
+    ),
+    Route(
+        "GET",
+        "/v1/responses/{id}",
+        "a background response now (status, output so far); `?stream=true&starting_after=N`: its events after N, "
+        "then live, on any gateway",
+        lambda app, scope, receive, send, p: app.responses.retrieve(scope, receive, send, p["id"]),
+    ),
+    Route(
+        "POST",
+        "/v1/responses/{id}/cancel",
+        "cancel a background response (idempotent); answers the Response",
+        lambda app, scope, _, send, p: app.responses.cancel(scope, send, p["id"]),
+    ),
+    Route(
+        "DELETE",
+        "/v1/responses/{id}",
+        "forget a response, cancelling it if it runs",
+        lambda app, scope, _, send, p: app.responses.delete(scope, send, p["id"]),
     ),
     Route(
         "GET",

@@ -74,6 +74,14 @@ class GatewayConfig(TlsSettings):
     stop_grace_s: float = setting(
         2.0, "once the HTTP server stops, how long answers still being written get before their connections are closed"
     )
+    responses_retention_s: float = setting(
+        600.0,
+        "how long a background response (POST /v1/responses with background: true) is kept from its creation, "
+        "retrievable and resumable; one still running then is cancelled",
+    )
+    responses_max: int = setting(
+        1000, "most background responses one gateway keeps at once (memory: their text); more get 429"
+    )
     ready_file: str = setting("", "write {address, url, pid} as JSON here once serving")
 
     def __post_init__(self) -> None:
@@ -107,6 +115,8 @@ class GatewayConfig(TlsSettings):
         check(self.max_resumes >= 0, f"max_resumes must be >= 0, got {self.max_resumes}")
         check(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         check(self.drain_tail_s >= 0, f"drain_tail_s must be >= 0, got {self.drain_tail_s}")
+        check(self.responses_retention_s > 0, f"responses_retention_s must be > 0, got {self.responses_retention_s}")
+        check(self.responses_max >= 1, f"responses_max must be >= 1, got {self.responses_max}")
         check(self.stop_grace_s >= 0, f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
         if self.api_keys_file:
             load_keys(self.api_keys_file)  # a bad file stops the start, with the line at fault

@@ -193,6 +193,8 @@ class Gateway(Lifecycle):
         if self.app is not None:
             log.info("gateway: %d exchanges open", len(self.app.exchanges.active))
             await self.app.exchanges.drain(self.config.drain_grace_s, self.config.drain_tail_s)
+            # Background responses run on in the workers for their resume grace: any gateway's retrieve adopts them.
+            await self.app.responses.store.close()
         if self._server is not None:
             self._server.should_exit = True
             if self._main_loop is not None:
@@ -204,6 +206,8 @@ class Gateway(Lifecycle):
             await self._server.shutdown(sockets=[self._socket] if self._socket else None)
 
     async def _close(self) -> None:
+        if self.app is not None:
+            await self.app.responses.store.close()  # idempotent; here for a start that failed before the drain
         if self.health_port is not None:
             await self.health_port.close()
         if self.metrics_endpoint is not None:

@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:  # long: an argparse table, a sub
     from tokenmesh_gateway import GatewayConfig
 
     what = (
-        "run the HTTP gateway: OpenAI-compatible /v1/chat/completions and /v1/completions, Anthropic's "
-        "/v1/messages (SSE) over routers"
+        "run the HTTP gateway: OpenAI-compatible /v1/chat/completions, /v1/completions and /v1/responses, "
+        "Anthropic's /v1/messages (SSE) over routers"
     )
     gateway = sub.add_parser("gateway", help=what, description=what)
     add_arguments(gateway, GatewayConfig, "gateway")
@@ -238,7 +238,7 @@ def _up_banner(mesh: Mesh) -> str:
     if mesh.gateway is not None:
         lines.append(
             f"gateway  {mesh.gateway.info.get('url')}   (OpenAI-compatible HTTP: /v1/chat/completions, "
-            "/v1/completions, /v1/models; Anthropic's /v1/messages)"
+            "/v1/completions, /v1/responses, /v1/models; Anthropic's /v1/messages)"
         )
     lines += [f"metrics  {name:9} {url}" for name, url in mesh.metrics_urls.items()]
     if mesh.config.tls_dir:

@@ -263,3 +263,76 @@ def test_a_router_killed_mid_stream_is_invisible_to_http_and_grpc_callers(tmp_pa
         for router in routers:
             stop_process(router.proc, 10)
     assert not left_behind(pids)
+
+
+def test_the_openai_sdk_answers_paris_through_the_responses_api(mesh: MeshHandle) -> None:
+    client = openai.OpenAI(base_url=url_of(mesh), api_key="x", max_retries=0)
+    events = list(
+        client.responses.create(model="smollm2", input=FRANCE, temperature=0, max_output_tokens=48, stream=True)
+    )
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert "Paris" in text and events[-1].type == "response.completed"
+    final = events[-1].response
+    assert final.output_text == text and final.usage is not None
+    assert final.usage.input_tokens > 0 and final.usage.output_tokens > 0
+
+    background = client.responses.create(
+        model="smollm2", input=FRANCE, temperature=0, max_output_tokens=48, background=True
+    )
+    deadline = time.monotonic() + 60
+    polled = client.responses.retrieve(background.id)
+    while polled.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        polled = client.responses.retrieve(background.id)
+    assert polled.status == "completed" and "Paris" in polled.output_text
+    replayed = list(client.responses.retrieve(background.id, stream=True, starting_after=3))
+    assert [e.sequence_number for e in replayed] == list(range(4, 4 + len(replayed)))
+    assert "".join(e.delta for e in replayed if e.type == "response.output_text.delta") == polled.output_text
+
+
+def test_a_background_response_resumes_after_its_gateway_and_router_are_sigkilled(tmp_path: Path) -> None:
+    mesh = Mesh(MeshConfig(port=0, log_dir=str(tmp_path / "logs")))
+    routers: list[Child] = []
+    others: list[Child] = []
+    pids: list[int] = []
+    try:
+        spawn_mesh(mesh, routers, tmp_path)  # its gateway goes through routers 0 and 1
+        others.append(mesh.spawn("gateway-2", "gateway", "--port", "0", "--routers", routers[2].address))
+        mesh.wait_ready(others)
+        pids = mesh_pids(mesh) + [c.proc.pid for c in (*routers, *others)]
+        assert mesh.gateway is not None
+        tokens = 3000  # 3 s at the synthetic engine's 1,000 tokens/s
+        first = openai.OpenAI(base_url=str(mesh.gateway.info["url"]), api_key="x", max_retries=0)
+        seen = []
+        stream = first.responses.create(input="long", max_output_tokens=tokens, stream=True, background=True)
+        for event in stream:
+            seen.append(event)
+            if len(seen) == 24:
+                break
+        stream.close()
+        victim = the_router_streaming(routers[:2])  # the one the first gateway follows the response through
+        os.kill(mesh.gateway.proc.pid, signal.SIGKILL)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        mesh.gateway.proc.wait(10)
+        victim.proc.wait(10)
+
+        second = openai.OpenAI(base_url=str(others[0].info["url"]), api_key="x", max_retries=0)
+        after = seen[-1].sequence_number
+        rest = list(second.responses.retrieve(seen[0].response.id, stream=True, starting_after=after))
+        every = seen + rest
+        assert [e.sequence_number for e in every] == list(range(len(every)))  # every event once, the same numbers
+        assert "".join(e.delta for e in every if e.type == "response.output_text.delta") == synthetic_text(tokens)
+        assert every[-1].type == "response.incomplete" and every[-1].response.usage is not None
+        assert every[-1].response.usage.output_tokens == tokens
+        polled = second.responses.retrieve(seen[0].response.id)
+        assert polled.status == "incomplete" and polled.output_text == synthetic_text(tokens)
+    finally:
+        pids = pids or [c.proc.pid for c in (*mesh.children(), *routers, *others)]
+        for child in (*routers, *others):
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        mesh.stop()
+        for child in (*routers, *others):
+            stop_process(child.proc, 10)
+    assert not left_behind(pids)
