@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from google.rpc import error_details_pb2
 
+from tokenmesh import cli
 from tokenmesh.config import ConfigError
 from tokenmesh.router._quota_file import Limits, parse_quotas
 from tokenmesh.router._quota_window import SLOTS, LocalStore, judge
@@ -222,3 +223,14 @@ def test_a_changed_file_is_reloaded_and_a_wrong_one_keeps_the_limits(
     assert quotas.limits_for("ads") == Limits(concurrent=1)  # kept
     [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert "quotas.toml:3: tenant 'ads': unknown limit 'concurent'" in record.getMessage()
+
+
+def test_a_router_whose_quota_file_is_wrong_exits_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "quotas.toml"
+    path.write_text("[tenants]\nsearch = { tokens_per_minute = 1000 }\nads = { tokens_per_minute = -1 }\n")
+    assert cli.main(["router", "--workers", "127.0.0.1:50061", "--quota-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"quota_file {path}:3: tenant 'ads': tokens_per_minute must be a whole number >= 0, got -1" in err
