@@ -14,6 +14,7 @@ from grpc_status import rpc_status
 
 from tests.support.gateway_helpers import gateway_over
 from tests.support.mesh import InProcessMesh, in_process_mesh, wait_until
+from tests.support.redis_server import free_port
 from tokenmesh.client import Client
 from tokenmesh.v1 import inference_pb2
 from tokenmesh_gateway import hash_key
@@ -54,7 +55,8 @@ def served(results: list) -> int:
 
 async def test_32_concurrent_requests_of_one_tenant_stay_within_1000_tokens(tmp_path: Path) -> None:
     path = quota_file(tmp_path, f"[tenants]\nsearch = {{ tokens_per_minute = {QUOTA} }}\n")
-    async with in_process_mesh(quota_file=path, quota_window_s=30) as mesh:
+    settings = {"metrics_port": free_port(), "metrics_tenants": ("search",)}
+    async with in_process_mesh(quota_file=path, quota_window_s=30, **settings) as mesh:
         results = await asyncio.gather(
             *(outcome(mesh, prompt=f"q{i:02d}", max_tokens=60, labels={"tenant": "search"}) for i in range(32))
         )
@@ -70,6 +72,10 @@ async def test_32_concurrent_requests_of_one_tenant_stay_within_1000_tokens(tmp_
             assert info.reason == "QUOTA_TOKENS_PER_MINUTE" and info.metadata["tenant"] == "search"
             assert info.metadata["limit_tokens"] == str(QUOTA) and int(info.metadata["remaining_tokens"]) < 67
             assert retry is not None and 0 < retry.retry_delay.ToNanoseconds() / 1e9 <= 30 + 3
+        refusals = mesh.router.metrics.registry.get_sample_value(
+            "tokenmesh_router_quota_refusals_total", {"tenant": "search", "limit": "tokens"}
+        )
+        assert refusals == len(refused)
         # Another tenant is not limited by search's quota, and its chunks carry no figures.
         other = await outcome(mesh, prompt="hi", max_tokens=5, labels={"tenant": "ads"})
         assert isinstance(other, list) and not other[0].HasField("rate_limits")

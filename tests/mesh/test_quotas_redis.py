@@ -93,10 +93,12 @@ async def test_redis_stopped_mid_run_the_mesh_serves_each_routers_share_and_rest
             assert 500 - 67 < used_first <= 500 and refused  # 7 of 67 fit its 500
             assert asyncio.get_running_loop().time() - started < 5
             assert not mesh.router.quotas.shared_up
+            assert mesh.router.metrics.registry.get_sample_value("tokenmesh_router_quota_store_up") == 0
             used_second, _ = await burst([second.host.address], 12)
             assert 500 - 67 < used_second <= 500
             server.start()  # empty, as a Redis that lost its data
             await wait_until(lambda: mesh.router.quotas.shared_up and second.quotas.shared_up, timeout=5)
+            assert mesh.router.metrics.registry.get_sample_value("tokenmesh_router_quota_store_up") == 1
             # The whole quota is the mesh's again, counted in Redis.
             used, refused = await burst([first, second.host.address], 32)
             assert used <= QUOTA and 14 <= 32 - len(refused) <= 15

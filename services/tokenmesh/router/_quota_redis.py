@@ -195,6 +195,10 @@ class RedisStore:
                     pipe.hdel(_key(tenant, "running"), self.router)
             await pipe.execute()
 
+    async def reconnect(self) -> None:
+        """Drop every pooled connection (after an outage they may be to a Redis that restarted)."""
+        await self.client.connection_pool.disconnect()
+
     async def close(self) -> None:
         """Close the connections."""
         await self.client.aclose()

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -51,6 +52,8 @@ CHAT_OVERHEAD = 48
 """Tokens the chat template adds once (a default system prompt, the assistant's opening)."""
 CHECK_S = 1.0
 """How often the quota file is checked for a change, and Redis told this router is alive."""
+ROUTERS_SETTLE_S = 10.0
+"""How long Redis must count fewer routers before this router's share grows (twice a gone router's expiry)."""
 
 REASONS = {
     "concurrent": "QUOTA_CONCURRENT",
@@ -230,9 +233,13 @@ class Quotas:
     """Generations this router runs on Redis's counts, per tenant."""
     unsynced: set[str]
     """Tenants whose running count in Redis may be wrong (a release that failed): rewritten once it answers."""
+    on_refusal: Callable[[str, str], None]
+    """Told (tenant, limit) of each refusal (the router's metrics)."""
     store_errors: tuple[type[Exception], ...]
     """What a call to Redis raises when Redis is down or slow (redis-py's errors, OSError)."""
     _stamp: bytes | None
+    _fewer_since: float | None
+    """Since when Redis counts fewer routers than ``routers`` (monotonic)."""
     releasing: set[asyncio.Task[None]]
     """Releases on their way to Redis."""
 
@@ -255,9 +262,11 @@ class Quotas:
             self.store_errors = (RedisError, OSError)
         self.shared_up = True
         self.routers = 1
+        self._fewer_since = None
         self.held = Counter()
         self.unsynced = set()
         self.releasing = set()
+        self.on_refusal = lambda tenant, limit: None
 
     def limits_for(self, tenant: str) -> Limits | None:
         """The tenant's quota (its own, else the file's "*"); None: not limited."""
@@ -277,6 +286,7 @@ class Quotas:
         need = prompt + request.max_tokens
         verdict, shared = await self._judge(tenant, limits, need)
         if verdict.refused:
+            self.on_refusal(tenant, verdict.refused)
             raise refusal(tenant, limits, verdict, need, prompt)
         return Grant(self, tenant, need, prompt, verdict.slot, shared, rate_limits(limits, verdict))
 
@@ -347,7 +357,9 @@ class Quotas:
         """Renew this router in Redis and learn how many there are; rewrite the running counts it may have missed."""
         assert self.shared is not None
         try:
-            self.routers = max(1, await self.shared.alive())
+            if not self.shared_up:
+                await self.shared.reconnect()  # connections from before an outage may be dead: new ones
+            self._count_routers(await self.shared.alive())
             if self.unsynced:
                 unsynced, self.unsynced = self.unsynced, set()
                 await self.shared.set_running({tenant: self.held[tenant] for tenant in unsynced})
@@ -357,6 +369,20 @@ class Quotas:
         if not self.shared_up:
             log.info("quota store answers again: quotas are shared by the %d routers again", self.routers)
         self.shared_up = True
+
+    def _count_routers(self, alive: int) -> None:
+        """Take Redis's count of routers; a lower one only once it held ROUTERS_SETTLE_S.
+
+        A Redis that restarted empty counts only the routers that renewed since: taken at once, a share for
+        the next outage would be too large.
+        """
+        now = time.monotonic()
+        if alive >= self.routers:
+            self.routers, self._fewer_since = alive, None
+        elif self._fewer_since is None:
+            self._fewer_since = now
+        elif now - self._fewer_since >= ROUTERS_SETTLE_S:
+            self.routers, self._fewer_since = max(1, alive), None
 
     def reload(self) -> bool:
         """Read the quota file again if it changed; a file with a mistake is logged and the limits in force stay."""

@@ -205,9 +205,7 @@ class Router(Service):
         self.metrics_endpoint = None
         self.tls.denied = lambda group: self.metrics.denied.labels(group).inc()
         self.metrics.watch(self.pool, self.admission, self._link_mode)
-        self.quotas = Quotas(
-            config.quota_file, config.quota_window_s, config.quota_redis_url, processes=config.processes
-        )
+        self.quotas = self._quotas(config)
         self.inference = InferenceServicer(config, self.pool, self.links, self.admission, self.metrics, self.quotas)
         self.inference.tracer = self.tracing.tracer
         self.inference.sessions.counters = self.metrics.link_counters
@@ -226,6 +224,14 @@ class Router(Service):
         if config.discovery == "dns":
             resolver = DnsResolver(config.discovery_dns_server)
             self.discovery = Discovery(config.workers, resolver, self._found, self._let_go, what="worker")
+
+    def _quotas(self, config: RouterConfig) -> Quotas:
+        """The tenants' quotas, their refusals and Redis's state in the metrics."""
+        quotas = Quotas(config.quota_file, config.quota_window_s, config.quota_redis_url, processes=config.processes)
+        quotas.on_refusal = self.metrics.quota_refused
+        if quotas.shared is not None:
+            self.metrics.watch_shared_quotas(lambda: quotas.shared_up)
+        return quotas
 
     def _link_mode(self, address: str) -> str:
         """How generations reach the worker (RoutingEntry.link)."""

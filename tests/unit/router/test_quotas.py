@@ -14,7 +14,14 @@ from tokenmesh import cli
 from tokenmesh.config import ConfigError
 from tokenmesh.router._quota_file import Limits, parse_quotas
 from tokenmesh.router._quota_window import SLOTS, LocalStore, judge
-from tokenmesh.router._quotas import NO_GRANT, Quotas, estimate_prompt_tokens, rate_limits, refusal
+from tokenmesh.router._quotas import (
+    NO_GRANT,
+    ROUTERS_SETTLE_S,
+    Quotas,
+    estimate_prompt_tokens,
+    rate_limits,
+    refusal,
+)
 from tokenmesh.v1 import inference_pb2
 
 FILE = """\
@@ -234,3 +241,15 @@ def test_a_router_whose_quota_file_is_wrong_exits_2_with_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert f"quota_file {path}:3: tenant 'ads': tokens_per_minute must be a whole number >= 0, got -1" in err
+
+
+def test_a_lower_router_count_is_taken_only_once_it_held() -> None:
+    quotas = Quotas("", 60.0)
+    quotas._count_routers(3)
+    assert quotas.routers == 3
+    quotas._count_routers(1)  # a Redis that restarted empty: only this router renewed yet
+    assert quotas.routers == 3
+    assert quotas._fewer_since is not None
+    quotas._fewer_since -= ROUTERS_SETTLE_S
+    quotas._count_routers(2)
+    assert quotas.routers == 2
