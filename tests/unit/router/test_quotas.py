@@ -12,6 +12,7 @@ from google.rpc import error_details_pb2
 
 from tokenmesh import cli
 from tokenmesh.config import ConfigError
+from tokenmesh.errors import ResourceExhausted
 from tokenmesh.router._quota_file import Limits, parse_quotas
 from tokenmesh.router._quota_window import SLOTS, LocalStore, judge
 from tokenmesh.router._quotas import (
@@ -253,3 +254,18 @@ def test_a_lower_router_count_is_taken_only_once_it_held() -> None:
     quotas._fewer_since -= ROUTERS_SETTLE_S
     quotas._count_routers(2)
     assert quotas.routers == 2
+
+
+async def test_each_process_of_a_router_grants_its_share_without_redis(tmp_path: Path) -> None:
+    path = tmp_path / "quotas.toml"
+    path.write_text("[tenants]\nsearch = { tokens_per_minute = 1000 }\n")
+    quotas = Quotas(str(path), 60.0, processes=2)
+    request = inference_pb2.GenerateRequest(prompt="hi", max_tokens=94)  # reserves 100
+    granted = 0
+    for _ in range(10):
+        try:
+            await quotas.reserve(request, "search", lambda: 512)
+        except ResourceExhausted:
+            continue
+        granted += 1
+    assert granted == 5  # 500 of the 1,000: the other process grants the rest
