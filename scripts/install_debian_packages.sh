@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the Debian packages the tests need (as their commands are missing):
-# prometheus and promtool for the metrics tests; Node.js and npm for buf (`make
+# prometheus and promtool for the metrics tests; redis-server for the shared
+# quotas' tests (tests/mesh/test_quotas_redis.py); Node.js and npm for buf (`make
 # lint`) and the Node.js gRPC caller test (package.json; `make test-deps` runs
 # `npm ci` after this). Run by `make test-deps` (so by `make test` and .ci/run);
 # `make venv` installs Python packages only. As root, or through sudo when it is
@@ -9,6 +10,7 @@ set -euo pipefail
 
 missing=()
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v node >/dev/null 2>&1 || missing+=(nodejs)
 command -v npm >/dev/null 2>&1 || missing+=(npm)
 if [ "${#missing[@]}" -eq 0 ]; then

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import orjson
 
 from tokenmesh.errors import MeshError, ResourceExhausted, Unavailable, label
+from tokenmesh_gateway._ratelimits import refused_headers
 
 _TYPES = {
     400: "invalid_request_error",
@@ -32,6 +33,9 @@ _TYPES = {
 
 DEFAULT_RETRY_AFTER_MS = 1000
 """Retry hint of a 503 the router gave none for (no live worker, a draining gateway)."""
+
+QUOTA_REASON = "QUOTA_"
+"""What the ErrorInfo reasons of the router's quota refusals begin with (QUOTA_TOKENS_PER_MINUTE...)."""
 
 _CODES = {"UNKNOWN_MODEL": "model_not_found"}
 """OpenAI's ``code`` for the ErrorInfo reasons it has one for; any other error's code is its status code's name."""
@@ -46,6 +50,7 @@ class HttpError(Exception):
         param: the request field at fault, when one is.
         code: a short machine-readable reason (``invalid_argument``, ``model_not_found``...).
         retry_after_ms: a retry hint; sent as ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``.
+        extra_headers: more headers of the response.
 
     """
 
@@ -54,6 +59,8 @@ class HttpError(Exception):
     param: str | None
     code: str | None
     retry_after_ms: int | None
+    extra_headers: list[tuple[bytes, bytes]]
+    """More headers (a quota refusal's x-ratelimit-*)."""
 
     def __init__(
         self,
@@ -63,8 +70,10 @@ class HttpError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_ms: int | None = None,
+        extra_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(message)
+        self.extra_headers = extra_headers or []
         self.status = status
         self.message = message
         self.param = param
@@ -85,11 +94,15 @@ class HttpError(Exception):
         return orjson.dumps({"error": self.document()})
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """Retry hints, when there is one."""
+        """Retry hints, when there is one, and the extra headers."""
         if self.retry_after_ms is None:
-            return []
+            return list(self.extra_headers)
         seconds = max(1, math.ceil(self.retry_after_ms / 1000))
-        return [(b"retry-after", str(seconds).encode()), (b"retry-after-ms", str(self.retry_after_ms).encode())]
+        return [
+            (b"retry-after", str(seconds).encode()),
+            (b"retry-after-ms", str(self.retry_after_ms).encode()),
+            *self.extra_headers,
+        ]
 
 
 class ErrorShape(Protocol):
@@ -129,6 +142,8 @@ def from_mesh(error: MeshError) -> HttpError:
     code = _CODES.get(error.reason) or label(error.grpc_code)
     param = error.field_violations[0].field if error.field_violations else None
     hint = None if error.retry_delay is None else max(0, round(error.retry_delay * 1000))
-    if hint is None and isinstance(error, Unavailable | ResourceExhausted):
-        hint = DEFAULT_RETRY_AFTER_MS
-    return HttpError(error.http_status, error.message, param=param, code=code, retry_after_ms=hint)
+    quota = error.reason.startswith(QUOTA_REASON)
+    if hint is None and isinstance(error, Unavailable | ResourceExhausted) and not quota:
+        hint = DEFAULT_RETRY_AFTER_MS  # a quota refusal without one never fits: no retry
+    extra = refused_headers(error.metadata) if quota else None
+    return HttpError(error.http_status, error.message, param=param, code=code, retry_after_ms=hint, extra_headers=extra)

@@ -29,6 +29,7 @@ from tokenmesh.errors import MeshError
 from tokenmesh.v1 import inference_pb2
 from tokenmesh_gateway._errors import DEFAULT_RETRY_AFTER_MS, ErrorShape, HttpError, from_mesh
 from tokenmesh_gateway._http import KEEPALIVE, SSE_HEADERS, Receive, Send, respond, respond_error
+from tokenmesh_gateway._ratelimits import admitted_headers
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ class Exchanges:
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [*SSE_HEADERS, (b"x-request-id", request_id.encode())],
+                "headers": [*SSE_HEADERS, (b"x-request-id", request_id.encode()), *admitted_headers(first)],
             }
         )
         loop = asyncio.get_running_loop()
@@ -250,7 +251,7 @@ class Exchanges:
         except HttpError as error:
             await respond_error(send, error, answer.errors)
             return
-        await respond(send, 200, body, [(b"x-request-id", request_id.encode())])
+        await respond(send, 200, body, [(b"x-request-id", request_id.encode()), *admitted_headers(first)])
 
     async def _watch(self, exchange: Exchange, receive: Receive, send: Send) -> None:
         """Until the caller goes away (then cancel the exchange), with a keep-alive after each silence."""

@@ -70,6 +70,7 @@ from tests.support.chart import (
     tokenmesh_containers,
     validation_errors,
 )
+from tokenmesh.router._quota_file import Limits, parse_quotas
 
 # ------------------------------------------------- lint, validation, golden
 
@@ -1053,3 +1054,24 @@ def test_the_kubernetes_doc_documents_every_value() -> None:
 
     undocumented = [path for path in leaf_paths(values) if not named(path)]
     assert not undocumented, "docs/kubernetes.md does not name: " + ", ".join(undocumented)
+
+
+def test_router_quotas_are_a_config_map_the_routers_read_and_reload(helm: str) -> None:
+    defaults = render(helm, "defaults")
+    assert f"{RELEASE}-router-quotas" not in objects(defaults, "ConfigMap")
+    assert not any(a.startswith("--quota") for a in tokenmesh_containers(defaults)[0]["args"])
+    tenants = {"search": {"tokens_per_minute": 1000000, "concurrent": 8}, "*": {"requests_per_minute": 0}}
+    docs = render(
+        helm, "defaults", overrides(router__quotas__tenants=tenants, router__quotas__redisUrl="redis://redis:6379/0")
+    )
+    text = objects(docs, "ConfigMap")[f"{RELEASE}-router-quotas"]["data"]["quotas.toml"]
+    assert parse_quotas(text) == {"search": Limits(tokens=1000000, concurrent=8), "*": Limits(requests=0)}
+    spec = pod_spec(docs, "router")
+    [router] = [c for c in spec["containers"] if c["name"] == "router"]
+    assert arg(router, "--quota-file") == "/etc/tokenmesh/quotas/quotas.toml"
+    assert arg(router, "--quota-redis-url") == "redis://redis:6379/0"
+    [mount] = [m for m in router["volumeMounts"] if m["name"] == "quotas"]
+    assert mount["mountPath"] == "/etc/tokenmesh/quotas" and "subPath" not in mount  # a subPath is never updated
+    [volume] = [v for v in spec["volumes"] if v["name"] == "quotas"]
+    assert volume["configMap"]["name"] == f"{RELEASE}-router-quotas"
+    assert validation_errors(docs, NEWEST) == []

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tokenmesh.config import ServerSettings, address_error, check, check_discovery, csv, setting
 from tokenmesh.router._pool import POLICIES
+from tokenmesh.router._quota_file import load_quotas
 from tokenmesh.tls import TlsSettings
 
 WORKER_LINK = ("auto", "off")
@@ -89,6 +90,19 @@ class RouterConfig(ServerSettings, TlsSettings):
     )
     process_index: int = setting(0, "internal: which of the --processes this one is (the first starts the others)")
     peers_dir: str = setting("", "internal: folder where the processes of one router list their private addresses")
+    quota_file: str = setting(
+        "",
+        "per-tenant quotas (tokens and requests per minute, concurrent generations), TOML, reloaded when it "
+        "changes (docs/quotas.md); empty = no quota",
+    )
+    quota_window_s: float = setting(
+        60.0, "the quotas' window in seconds (their 'minute'; every router sharing --quota-redis-url the same)"
+    )
+    quota_redis_url: str = setting(
+        "",
+        "redis://host:port/db that every router shares the quotas' counts in; empty = this router counts alone. "
+        "While it is down each router grants its share of each quota (the quota / the routers last counted)",
+    )
     tls_allowed_clients: tuple[str, ...] = setting(
         (),
         "with --tls-mode mtls: the identities (URI SANs, e.g. "
@@ -132,6 +146,13 @@ class RouterConfig(ServerSettings, TlsSettings):
             problem = address_error(address)
             check(not problem, f"worker address {address!r}: {problem}")
         check_discovery(self.discovery_interval_s, self.discovery_dns_server)
+        check(self.quota_window_s > 0, f"quota_window_s must be > 0, got {self.quota_window_s}")
+        check(
+            not self.quota_redis_url or self.quota_redis_url.startswith(("redis://", "rediss://", "unix://")),
+            f"quota_redis_url must start with redis://, rediss:// or unix://, got {self.quota_redis_url!r}",
+        )
+        if self.quota_file:
+            load_quotas(self.quota_file)  # a mistake in it stops the router at start, naming the line
         self.check_tls()
         check(
             bool(self.workers) or self.discovery == "prober",

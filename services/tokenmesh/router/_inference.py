@@ -41,6 +41,7 @@ from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._observe import Observation, generation_span
 from tokenmesh.router._outcome import WorkerFailed, outcome
 from tokenmesh.router._pool import WorkerEntry, WorkerPool, prefix_key
+from tokenmesh.router._quotas import Grant, Quotas
 from tokenmesh.router._relay import Live, Progress, Relay, chunk, continuation, start_command, stop
 from tokenmesh.router._spares import Spares
 from tokenmesh.router._stream import StreamContext, StreamSession
@@ -65,6 +66,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         pool: the workers and the weight table in force.
         links: the router's links to its workers (the router opens one per worker it learns of).
         admission: grants worker slots, queueing by priority.
+        metrics: the router's metrics.
+        quotas: the tenants' quotas (default: none).
 
     """
 
@@ -88,6 +91,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     _admission: Admission
     _links: Links
     _relay: Relay
+    quotas: Quotas
+    """Per-tenant quotas: each generation reserves its worst case before it is admitted."""
     metrics: RouterMetrics
     tracer: trace.Tracer
     """Spans per generation (OpenTelemetry's no-op tracer while tracing is off)."""
@@ -101,8 +106,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         links: Links,
         admission: Admission,
         metrics: RouterMetrics,
+        quotas: Quotas | None = None,
     ) -> None:
         self.metrics = metrics
+        self.quotas = quotas if quotas is not None else Quotas("", config.quota_window_s)
         self.tracer = trace.NoOpTracer()
         self.capture_content = capture_enabled()
         self._config = config
@@ -124,9 +131,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         """Admit, pick a worker, relay its chunks with seq 1..N; fail over when a worker fails."""
-        base = self._admit(request)
-        request_id = base.request_id
         tenant = request.labels.get("tenant", "")
+        base, grant = await self._admitted(request, tenant)
+        request_id = base.request_id
         key = prefix_key(request)
         observe = self._observe(base, tenant, bool(key), context)
         live = self._begin(request_id)
@@ -163,6 +170,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     async with contextlib.aclosing(relay):
                         async for piece in relay:
                             observe.chunk(piece, entry.address)
+                            grant.saw(piece)
                             yield piece
                     return
                 except WorkerFailed as failure:
@@ -177,7 +185,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise
         finally:
             self._end(request_id)
+            grant.settle()
             observe.end(progress.timing.queue_ms, progress.migrations)
+
+    async def _admitted(
+        self, request: inference_pb2.GenerateRequest, tenant: str
+    ) -> tuple[inference_pb2.GenerateRequest, Grant]:
+        """The request as the router runs it, and its reservation in the tenant's quota; or the caller's error."""
+        base = self._admit(request)
+        try:
+            grant = await self.quotas.reserve(base, tenant, lambda: self._pool.resolve_model(base.model).max_context)
+            if base.request_id in self.live:  # started while Redis answered: the same id twice at once
+                grant.settle()
+                self._refuse_if_live(base.request_id)
+        except MeshError as error:
+            self.metrics.refused(label(error.grpc_code), tenant)
+            raise
+        return base, grant
 
     def _admit(self, request: inference_pb2.GenerateRequest) -> inference_pb2.GenerateRequest:
         """The request as the router runs it (its request_id, model and max_tokens set), or the caller's error."""
@@ -185,12 +209,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._refuse_if_draining()
             model = validate(request, self._pool, self._config.max_prompt_bytes)
             request_id = request.request_id or uuid.uuid4().hex
-            if request_id in self.live:
-                raise AlreadyExists(
-                    f"request_id {request_id!r} is live already; use a new id, or Resume it",
-                    reason="REQUEST_ID_LIVE",
-                    field="request_id",
-                )
+            self._refuse_if_live(request_id)
         except MeshError as error:
             self.metrics.refused(label(error.grpc_code), request.labels.get("tenant", ""))
             raise
@@ -294,6 +313,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         )
         observe.ended_here(final)
         return final
+
+    def _refuse_if_live(self, request_id: str) -> None:
+        if request_id in self.live:
+            raise AlreadyExists(
+                f"request_id {request_id!r} is live already; use a new id, or Resume it",
+                reason="REQUEST_ID_LIVE",
+                field="request_id",
+            )
 
     def _refuse_if_draining(self) -> None:
         if self.draining:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -139,6 +139,13 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.quota_refusals = Counter(
+            "tokenmesh_router_quota_refusals_total",
+            "Generations a tenant's quota refused, by the limit: tokens, requests, concurrent, too_large "
+            "(a reservation larger than the whole quota)",
+            ["tenant", "limit"],
+            registry=r,
+        )
         self.propagation = Histogram(
             "tokenmesh_router_weight_table_propagation_seconds",
             "From the prober's decision to this router applying the table",
@@ -155,6 +162,20 @@ class RouterMetrics:
         if not self.enabled:
             return None
         return self.link_messages.labels(worker), self.link_chunks.labels(worker)
+
+    def watch_shared_quotas(self, up: Callable[[], bool]) -> None:
+        """With --quota-redis-url: whether Redis answers, read at every scrape."""
+        store = Gauge(
+            "tokenmesh_router_quota_store_up",
+            "1 while the quotas' Redis answers; 0 while this router grants from its own share of each quota",
+            registry=self.registry,
+        )
+        store.set_function(lambda: float(up()))
+
+    def quota_refused(self, tenant: str, limit: str) -> None:
+        """A generation refused by its tenant's quota."""
+        if self.enabled:
+            self.quota_refusals.labels(self.tenant(tenant), limit).inc()
 
     def refused(self, outcome: str, tenant: str) -> None:
         """A generation refused before it had a model (bad input, unknown model, draining): model label ''."""

@@ -31,6 +31,7 @@ from tokenmesh.router._link import LINK
 from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._peers import FORWARDED, Peers
 from tokenmesh.router._pool import WorkerPool
+from tokenmesh.router._quotas import Quotas
 from tokenmesh.router._tables import check_table
 from tokenmesh.server import LINK_CHANNEL_OPTIONS, WORKER_CHANNEL_OPTIONS, ServiceHost, write_ready_file
 from tokenmesh.tls import Tls
@@ -158,6 +159,8 @@ class Router(Service):
     _new_workers: asyncio.Queue[str]
     discovery: Discovery | None
     """The worker names' lookups (--discovery dns)."""
+    quotas: Quotas
+    """The tenants' quotas (--quota-file), counted here or in Redis (--quota-redis-url)."""
     metrics: RouterMetrics
     metrics_endpoint: MetricsEndpoint | None
     tracing: Tracing
@@ -202,7 +205,8 @@ class Router(Service):
         self.metrics_endpoint = None
         self.tls.denied = lambda group: self.metrics.denied.labels(group).inc()
         self.metrics.watch(self.pool, self.admission, self._link_mode)
-        self.inference = InferenceServicer(config, self.pool, self.links, self.admission, self.metrics)
+        self.quotas = self._quotas(config)
+        self.inference = InferenceServicer(config, self.pool, self.links, self.admission, self.metrics, self.quotas)
         self.inference.tracer = self.tracing.tracer
         self.inference.sessions.counters = self.metrics.link_counters
         if self.tracing.on and rpc_spans_for(worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name):
@@ -220,6 +224,14 @@ class Router(Service):
         if config.discovery == "dns":
             resolver = DnsResolver(config.discovery_dns_server)
             self.discovery = Discovery(config.workers, resolver, self._found, self._let_go, what="worker")
+
+    def _quotas(self, config: RouterConfig) -> Quotas:
+        """The tenants' quotas, their refusals and Redis's state in the metrics."""
+        quotas = Quotas(config.quota_file, config.quota_window_s, config.quota_redis_url, processes=config.processes)
+        quotas.on_refusal = self.metrics.quota_refused
+        if quotas.shared is not None:
+            self.metrics.watch_shared_quotas(lambda: quotas.shared_up)
+        return quotas
 
     def _link_mode(self, address: str) -> str:
         """How generations reach the worker (RoutingEntry.link)."""
@@ -292,6 +304,10 @@ class Router(Service):
             for address in self.config.workers:
                 self._watch(address)
         self.spawn(self._add_workers(), "worker discovery")
+        if self.quotas.shared is not None:
+            await self.quotas.check_shared()  # how many routers share Redis (or that it is down: never fatal)
+        if self.config.quota_file or self.quotas.shared is not None:
+            self.spawn(self.quotas.run(), "quotas")
         if self.tls.on:
             renewed = [self.links] if self.peers is None else [self.links, self.peers.links]
             self.spawn(follow_renewals(self.tls.renewals(), *renewed), "certificate renewals")
@@ -350,6 +366,7 @@ class Router(Service):
             self.metrics_endpoint.close()
         await asyncio.to_thread(self.tracing.shutdown)  # exports what is pending (blocking I/O)
         self.inference.cancels.close()
+        await self.quotas.close()
         await self.links.close()  # the spares, the watches, every channel (retired ones too)
         for sibling in self._siblings:
             await asyncio.to_thread(stop_process, sibling, 10.0)

@@ -84,7 +84,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("request_id", "seq", "text", "token_count", "finish_reason", "usage", "model", "migrations", "timing")
+    __slots__ = ("request_id", "seq", "text", "token_count", "finish_reason", "usage", "model", "migrations", "timing", "rate_limits")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class GenerateChunk(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMITS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     text: str
@@ -103,7 +104,24 @@ class GenerateChunk(_message.Message):
     model: str
     migrations: int
     timing: Timing
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., token_count: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., migrations: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    rate_limits: RateLimits
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., token_count: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., migrations: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., rate_limits: _Optional[_Union[RateLimits, _Mapping]] = ...) -> None: ...
+
+class RateLimits(_message.Message):
+    __slots__ = ("limit_requests", "remaining_requests", "reset_requests_s", "limit_tokens", "remaining_tokens", "reset_tokens_s")
+    LIMIT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RESET_REQUESTS_S_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESET_TOKENS_S_FIELD_NUMBER: _ClassVar[int]
+    limit_requests: int
+    remaining_requests: int
+    reset_requests_s: float
+    limit_tokens: int
+    remaining_tokens: int
+    reset_tokens_s: float
+    def __init__(self, limit_requests: _Optional[int] = ..., remaining_requests: _Optional[int] = ..., reset_requests_s: _Optional[float] = ..., limit_tokens: _Optional[int] = ..., remaining_tokens: _Optional[int] = ..., reset_tokens_s: _Optional[float] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_ms", "engine_ttft_ms", "router_ttft_ms")
