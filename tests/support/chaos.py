@@ -241,8 +241,12 @@ async def fault_row(
     row = summarize(name, traces, tokens, fault_at)
     row.detect_s = watch.detected_s(fault_at)
     row.recover_s = watch.recovered_s(heal_at)
+    notes = []
     if back := watch.back_during(fault_at, heal_at):
-        row.note = f"routed to the victim again {back} time(s) while the fault lasted"
+        notes.append(f"routers took the victim back {back} time(s) while the fault lasted")
+    if late := sum(bool(t.migrations) and t.started > fault_at for t in traces):
+        notes.append(f"{late} generation(s) that began after the fault moved")
+    row.note = "; ".join(notes)
     row.strays = await strays(cluster)
     return row
 

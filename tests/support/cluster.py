@@ -338,9 +338,13 @@ class Cluster:
 
 
 def routable(row: router_pb2.RoutingEntry) -> bool:
-    """The router sends the worker new work: SERVING, weight > 0, not avoided after a failure."""
-    # The table says "avoided by this router" while a worker that failed a stream is suspended (router/_pool.py).
-    return row.state == router_pb2.WORKER_STATE_SERVING and row.weight > 0 and "avoided" not in row.reason
+    """The router sends the worker new work: SERVING with weight > 0, not avoided after a failure, a link open."""
+    # State and weight are the prober's once a table is in force, so a worker the prober reaches and this router
+    # does not (a partition between the two) still shows SERVING; the router's own view is in the reason ("avoided
+    # by this router" while a worker that failed a stream is suspended, router/_pool.py) and in `link`, which is
+    # empty while its Worker/Link call is down and being opened again.
+    serving = row.state == router_pb2.WORKER_STATE_SERVING and row.weight > 0
+    return serving and "avoided" not in row.reason and row.link != ""
 
 
 def _ready(path: Path) -> bool:
