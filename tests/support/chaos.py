@@ -152,11 +152,14 @@ class Watch:
 
     changes: dict[str, list[tuple[float, bool]]]
     """Router -> (time.monotonic(), routable now) at each change seen."""
+    link_lost: dict[str, float]
+    """Router -> when it was first seen without a Worker/Link call to the victim."""
     _victim: Service
     _channels: dict[str, grpc.aio.Channel]
 
     def __init__(self, cluster: Cluster, victim: Service) -> None:
         self.changes = {r.name: [] for r in cluster.routers}
+        self.link_lost = {}
         self._victim = victim
         self._channels = {r.name: grpc.aio.insecure_channel(r.address) for r in cluster.routers}
 
@@ -171,6 +174,8 @@ class Watch:
                     continue
                 row = next((w for w in table.workers if w.address == self._victim.address), None)
                 now = row is not None and routable(row)
+                if row is None or not row.link:
+                    self.link_lost.setdefault(name, time.monotonic())
                 if now != self.routable(name):
                     self.changes[name].append((time.monotonic(), now))
             await asyncio.sleep(POLL_S)
@@ -244,6 +249,8 @@ async def fault_row(
     notes = []
     if back := watch.back_during(fault_at, heal_at):
         notes.append(f"routers took the victim back {back} time(s) while the fault lasted")
+    if len(watch.link_lost) == len(watch.changes):  # when the link's keepalive gave up on a silent peer
+        notes.append(f"links down after {max(watch.link_lost.values()) - fault_at:.1f} s")
     if late := sum(bool(t.migrations) and t.started > fault_at for t in traces):
         notes.append(f"{late} generation(s) that began after the fault moved")
     row.note = "; ".join(notes)
