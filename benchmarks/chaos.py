@@ -38,12 +38,13 @@ async def run_rows(cluster: Cluster, args: argparse.Namespace) -> list[Row]:
     """The rows asked for, in order, each printed as it ends."""
     rows = []
     for name in args.rows.split(","):
-        for _ in range(args.repeat):
+        for run in range(args.repeat):
+            load = {"streams": args.streams, "tokens": args.tokens, "victim": run % args.workers}
             if name == "kill":
-                row = await fault_row(cluster, "worker SIGKILL+restart", kill_and_restart, **_load(args))
+                row = await fault_row(cluster, "worker SIGKILL+restart", kill_and_restart, **load)
             elif name == "partition":
                 fault = silent_partition(args.partition_s)
-                row = await fault_row(cluster, f"partition {args.partition_s:g} s", fault, **_load(args))
+                row = await fault_row(cluster, f"partition {args.partition_s:g} s", fault, **load)
             else:
                 row = await overload_row(cluster, factor=args.overload_factor, tokens=args.overload_tokens)
             print(row.line(), flush=True)
@@ -53,14 +54,10 @@ async def run_rows(cluster: Cluster, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def _load(args: argparse.Namespace) -> dict[str, int]:
-    return {"streams": args.streams, "tokens": args.tokens}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each row")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each row (the fault rows: each worker in turn)")
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--routers", type=int, default=2)
     parser.add_argument("--slots", type=int, default=32, help="slots per worker (the synthetic model's n_parallel)")

@@ -215,12 +215,20 @@ Fault = Callable[[Cluster, Service], Awaitable[tuple[float, float]]]
 
 
 async def fault_row(
-    cluster: Cluster, name: str, fault: Fault, *, streams: int, tokens: int, recover_timeout_s: float = 120
+    cluster: Cluster,
+    name: str,
+    fault: Fault,
+    *,
+    streams: int,
+    tokens: int,
+    victim: int = 0,
+    recover_timeout_s: float = 120,
 ) -> Row:
-    """``streams`` callers, each running generations of ``tokens`` tokens back to back, while ``fault`` hits the
-    first worker; the row ends once every router routes to it again (and each caller's last generation ended)."""
-    victim = cluster.workers[0]
-    watch = Watch(cluster, victim)
+    """``streams`` callers, each running generations of ``tokens`` tokens back to back, while ``fault`` hits
+    worker ``victim``; the row ends once every router routes to it again (and each caller's last generation
+    ended)."""
+    watched = cluster.workers[victim]
+    watch = Watch(cluster, watched)
     watching = asyncio.create_task(watch.run())
     traces: list[Trace] = []
     stop = asyncio.Event()
@@ -232,7 +240,7 @@ async def fault_row(
         try:
             await asyncio.sleep(0)  # each caller has begun its first generation
             await until_streaming(list(traces))
-            fault_at, heal_at = await fault(cluster, victim)
+            fault_at, heal_at = await fault(cluster, watched)
             deadline = time.monotonic() + recover_timeout_s
             while not watch.recovered() and time.monotonic() < deadline:
                 await asyncio.sleep(POLL_S)
