@@ -8,7 +8,7 @@ NODE_STAMP := node_modules/.package-lock.json
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test-deps run check test test-browser test-unit test-mesh test-repo test-integration lint proto \
+.PHONY: help venv test-deps run check test test-browser test-unit test-mesh test-repo test-integration test-cluster lint proto \
 	proto-check docs image image-check clean
 
 help: ## list the targets
@@ -44,7 +44,7 @@ check: $(STAMP) ## the fast loop: ruff, mypy, tests/unit (no Triton, no in-proce
 	$(BIN)/mypy -p tokenmesh -p tokenmesh_gateway
 	$(BIN)/pytest -q $(PYTEST_ARGS) tests/unit
 
-test: $(STAMP) test-deps ## every test: checks, unit, mesh, repo, integration (real Triton); browser: make test-browser
+test: $(STAMP) test-deps ## every test: checks, unit, mesh, repo, integration (real Triton), cluster (root); browser: make test-browser
 	$(BIN)/python scripts/gen_protos.py --check
 	$(BIN)/python scripts/gen_config_docs.py --check
 	$(BIN)/pytest -q -m "not browser" $(PYTEST_ARGS) tests
@@ -64,6 +64,9 @@ test-repo: $(STAMP) test-deps ## tests/repo: chart (helm v3/v4), docs, alerts an
 
 test-integration: $(STAMP) test-deps ## the integration tests only (real Triton, workers, prober, router, gateway)
 	$(BIN)/pytest -q -m "not browser" $(PYTEST_ARGS) tests/integration
+
+test-cluster: $(STAMP) test-deps ## tests/cluster: the mesh in network namespaces, faults mid-stream (root; skipped otherwise)
+	$(BIN)/pytest -q $(PYTEST_ARGS) tests/cluster
 
 lint: $(STAMP) $(NODE_STAMP) ## ruff, mypy (strict), pyright on hand-written code; buf lint and buf breaking on protos/
 	$(BIN)/ruff check services tests scripts benchmarks gateway

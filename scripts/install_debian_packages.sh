@@ -3,7 +3,8 @@
 # prometheus and promtool for the metrics tests; redis-server for the shared
 # quotas' tests (tests/mesh/test_quotas_redis.py); Node.js and npm for buf (`make
 # lint`) and the Node.js gRPC caller test (package.json; `make test-deps` runs
-# `npm ci` after this). Run by `make test-deps` (so by `make test` and .ci/run);
+# `npm ci` after this); iproute2 and iptables for tests/cluster (pods in network
+# namespaces, silent partitions). Run by `make test-deps` (so by `make test` and .ci/run);
 # `make venv` installs Python packages only. As root, or through sudo when it is
 # there.
 set -euo pipefail
@@ -13,6 +14,8 @@ command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v node >/dev/null 2>&1 || missing+=(nodejs)
 command -v npm >/dev/null 2>&1 || missing+=(npm)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v iptables >/dev/null 2>&1 || missing+=(iptables)
 if [ "${#missing[@]}" -eq 0 ]; then
     exit 0
 fi

@@ -16,8 +16,9 @@ def _marks_module_integration(path: Path) -> bool:
 
 
 def test_every_integration_test_module_carries_the_integration_marker() -> None:
-    # `pytest -m "not integration"` must skip every test that starts a real Triton.
-    modules = sorted((TESTS / "integration").glob("test_*.py"))
+    # `pytest -m "not integration"` must skip every test that starts a real Triton (or, in tests/cluster, needs
+    # root to make network namespaces).
+    modules = sorted(m for tier in ("integration", "cluster") for m in (TESTS / tier).glob("test_*.py"))
     assert modules
     unmarked = [m.name for m in modules if not _marks_module_integration(m)]
     assert not unmarked, f"add `pytestmark = pytest.mark.integration` to {', '.join(unmarked)}"
@@ -47,10 +48,10 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
 
 
 def test_no_test_imports_another_tiers_module_only_tests_support() -> None:
-    # Each folder under tests/ is a tier (unit, mesh, repo, integration); what two tiers share lives in
+    # Each folder under tests/ is a tier (unit, mesh, repo, integration, cluster); what two tiers share lives in
     # tests/support, so a tier can move, or run alone, without taking another's modules along.
     tiers = {p.name for p in TESTS.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert {"unit", "mesh", "repo", "integration", "support"} <= tiers
+    assert {"unit", "mesh", "repo", "integration", "cluster", "support"} <= tiers
     crossing = []
     for path in sorted(TESTS.rglob("*.py")):
         tier = path.relative_to(TESTS).parts[0]

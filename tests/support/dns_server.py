@@ -47,12 +47,18 @@ class Zone:
 
 
 class DnsServer:
-    """The zone served on 127.0.0.1:<free port> until stop()."""
+    """The zone served on host:port (default 127.0.0.1 and a free port) until stop().
 
-    def __init__(self) -> None:
+    Args:
+        host: the address to answer on (the cluster harness: the host's end of its bridge).
+        port: 0 picks a free one; 53 where resolv.conf names the server (it has no port).
+
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.zone = Zone()
         quiet = DNSLogger("-request,-reply,-truncated,-error,-recv,-send,-data")
-        self._server = DNSServer(self.zone, address="127.0.0.1", port=0, logger=quiet)
+        self._server = DNSServer(self.zone, address=host, port=port, logger=quiet)
 
     @property
     def address(self) -> str:
