@@ -37,7 +37,9 @@ async def timed(chunks: AsyncIterator[inference_pb2.GenerateChunk]) -> Timed:
 def assert_paced(got: Timed, interval_s: float = INTERVAL_S) -> None:
     """One content chunk per interval at most (the first and the last not held), gaps of about the interval."""
     times = [t for t, c in got if not c.finish_reason]
-    assert len(times) <= 2 + (got[-1][0] - got[0][0]) / interval_s, len(times)
+    # A paced gap may land a little short of the interval (the worker's timer fires on its loop's clock, the caller
+    # reads on its own): count against 0.9 of it, as the median below.
+    assert len(times) <= 2 + (got[-1][0] - got[0][0]) / (interval_s * 0.9), len(times)
     # The last chunk left with the end, as soon as the generation finished: not a paced gap.
     gaps = [b - a for a, b in zip(times, times[1:-1], strict=False)]
     if gaps:  # arrival jitter on a shared machine blurs a gap, never the median
