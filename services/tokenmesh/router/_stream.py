@@ -43,6 +43,7 @@ from tokenmesh.errors import (
 )
 from tokenmesh.router._relay import Live
 from tokenmesh.v1 import inference_pb2
+from tokenmesh.wake import Wake
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +197,9 @@ class StreamSession:
     _opened: Callable[[int], None]
     _draining: Callable[[], bool]
     _sent: Callable[[int], None]
-    _wake: asyncio.Future[None] | None
+    _wake: Wake
+    """The send loop's wait; while it lingers, a stream that becomes ready wakes it only once every stream is."""
     linger_s: float
-    _lingering: bool
     _last_send: float
     """time.monotonic() of the latest message taken."""
 
@@ -215,7 +216,6 @@ class StreamSession:
     ) -> None:
         self.settings = announced
         self.linger_s = linger_s
-        self._lingering = False
         self._last_send = 0.0
         self._call = call
         self._source = source
@@ -229,7 +229,7 @@ class StreamSession:
         self.last_stream = 0
         self.closing = False
         self.tasks = set()
-        self._wake = None
+        self._wake = Wake()
 
     async def run(
         self, commands: AsyncIterator[inference_pb2.StreamCommands]
@@ -247,7 +247,7 @@ class StreamSession:
                 if reader.done():
                     reader.result()  # a message that did not parse ends the call with its status
                 if self._should_linger():
-                    await self._linger()
+                    await self._wake.linger(self.linger_s)
                 message = self._take()
                 if message is not None:
                     self._last_send = time.monotonic()
@@ -262,7 +262,7 @@ class StreamSession:
                             "open the call on another router",
                             reason="ROUTER_DRAINING",
                         )
-                await self._idle()
+                await self._wake.idle()
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):  # raised above already, where it mattered
@@ -271,14 +271,6 @@ class StreamSession:
                 self._drop(logical)
             for task in self.tasks:
                 task.cancel()
-
-    async def _idle(self) -> None:
-        """Wait until a stream is ready, the commands end or the router drains (a future, no timer)."""
-        self._wake = asyncio.get_running_loop().create_future()
-        try:
-            await self._wake
-        finally:
-            self._wake = None
 
     def _should_linger(self) -> bool:
         """Whether this send should wait a little for more streams' chunks (batches of one cost a message each).
@@ -297,27 +289,13 @@ class StreamSession:
             and not any(_urgent(logical) for logical in self.ready.values())
         )
 
-    async def _linger(self) -> None:
-        """Wait until every stream is ready, or the linger has passed (one timer, not a sleep per stream)."""
-        loop = asyncio.get_running_loop()
-        self._wake = loop.create_future()
-        self._lingering = True
-        timer = loop.call_later(self.linger_s, self.kick)
-        try:
-            await self._wake
-        finally:
-            timer.cancel()
-            self._lingering = False
-            self._wake = None
-
     def kick(self) -> None:
         """Wake the send loop if it is idle (something to take, the commands ended, or the router drains)."""
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
+        self._wake.kick()
 
     def _mark(self, logical: Logical) -> None:
         self.ready[logical.stream] = logical
-        if not self._lingering or len(self.ready) >= len(self.streams) or _urgent(logical):
+        if not self._wake.lingering or len(self.ready) >= len(self.streams) or _urgent(logical):
             self.kick()
 
     # -- commands -------------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from opentelemetry.trace import StatusCode
 
 from tokenmesh.errors import Internal, InvalidArgument, MeshError, ResourceExhausted, label
 from tokenmesh.v1 import inference_pb2, worker_pb2
+from tokenmesh.wake import Wake
 from tokenmesh.worker._registry import Record
 
 log = logging.getLogger(__name__)
@@ -168,9 +169,8 @@ class WorkerLink:
     """How long a send may wait for more streams to be ready (0: never)."""
     held: int
     """Streams whose next chunk waits for their interval (each with a timer): a linger does not wait for them."""
-    _lingering: bool
-    """A send waits for more streams: a stream that becomes ready wakes it only once every stream is."""
-    _wake: asyncio.Future[None] | None
+    _wake: Wake
+    """The send loop's wait; while it lingers, a stream that becomes ready wakes it only once every stream is."""
 
     def __init__(self, begin: Begin, stop: Stop, release: Release, *, linger_s: float = 0.0) -> None:
         self._begin = begin
@@ -183,8 +183,7 @@ class WorkerLink:
         self.last_stream = 0
         self.closing = False
         self.held = 0
-        self._lingering = False
-        self._wake = None
+        self._wake = Wake()
 
     async def run(self, commands: AsyncIterator[worker_pb2.LinkCommands]) -> AsyncIterator[worker_pb2.LinkEvents]:
         """The settings, then one message per send until the router half-closes and every stream ended.
@@ -194,12 +193,12 @@ class WorkerLink:
         generations run on for Attach, the others are cancelled.
         """
         reader = asyncio.create_task(self._read(commands))
-        reader.add_done_callback(lambda _: self._kick())
+        reader.add_done_callback(lambda _: self._wake.kick())
         try:
             yield worker_pb2.LinkEvents(settings=SETTINGS)
             while True:
                 if self.linger_s and self._partial():
-                    await self._linger()
+                    await self._wake.linger(self.linger_s)
                 message = self._take()
                 if message is not None:
                     yield message  # the one await: meanwhile the engine's output merges in the records
@@ -208,21 +207,13 @@ class WorkerLink:
                     reader.result()  # a command that did not parse ends the call with its status
                     if not self.streams and not self.ends:
                         return
-                await self._idle()
+                await self._wake.idle()
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):  # raised above already, where it mattered
                 await reader
             for linked in list(self.streams.values()):
                 self._drop(linked)
-
-    async def _idle(self) -> None:
-        """Wait until a stream is ready or the commands end (a future, no timer)."""
-        self._wake = asyncio.get_running_loop().create_future()
-        try:
-            await self._wake
-        finally:
-            self._wake = None
 
     def _partial(self) -> bool:
         """A send now would hold fewer streams' chunks than the link carries (2 or more), and nothing urgent waits.
@@ -237,23 +228,6 @@ class WorkerLink:
             and not any(linked.position == 0 or linked.record.done for linked in self.ready.values())
         )
 
-    async def _linger(self) -> None:
-        """Wait until every stream is ready, or the linger has passed (one timer, not a sleep per stream)."""
-        loop = asyncio.get_running_loop()
-        self._wake = loop.create_future()
-        self._lingering = True
-        timer = loop.call_later(self.linger_s, self._kick)
-        try:
-            await self._wake
-        finally:
-            timer.cancel()
-            self._lingering = False
-            self._wake = None
-
-    def _kick(self) -> None:
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
-
     def _mark(self, linked: Linked) -> None:
         """The stream has something to take (its record's listener): ready, and the loop awake."""
         if linked.starved():
@@ -262,12 +236,12 @@ class WorkerLink:
             return  # its timer will mark it (the send loop is not woken for a chunk it would not take)
         self.ready[linked.stream] = linked
         if (
-            not self._lingering
+            not self._wake.lingering
             or len(self.ready) + self.held >= len(self.streams)
             or linked.position == 0
             or linked.record.done
         ):
-            self._kick()  # everything is ready, or something a linger must not hold (a first event, an end)
+            self._wake.kick()  # everything is ready, or something a linger must not hold (a first event, an end)
 
     # -- commands -------------------------------------------------------------------------------------------------
 
@@ -325,7 +299,7 @@ class WorkerLink:
             if error is not exc:
                 log.exception("start of stream %d on a link failed", stream)
             self.ends.append(worker_pb2.LinkEnd(stream=stream, status=error.status()))
-            self._kick()
+            self._wake.kick()
             return
         window = command.window_bytes or SETTINGS.default_window_bytes
         linked = Linked(stream, record, span, command.start.resumable, window, window, tracing=span.is_recording())
