@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,11 +46,15 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import psutil
+import tritonclient.grpc.aio as triton_aio
 from common import cpu_seconds, percentile, running_mesh, synthetic_repository, tree_cpu_seconds
+from tritonclient.grpc import InferInput
 
+from tokenmesh.bench.targets import MeshTarget, bytes_input
 from tokenmesh.client import Client
-from tokenmesh.errors import MeshError
+from tokenmesh.errors import MeshError, Unavailable
 from tokenmesh.mesh import MeshConfig
 from tokenmesh.process import dies_with_parent, stop_process
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
@@ -61,9 +66,89 @@ Opener = Callable[[int, inference_pb2.GenerateRequest, float], AsyncIterator[inf
 """Opens stream i of a client process: (i, request, timeout) -> its chunks."""
 
 
-def openers(args: argparse.Namespace) -> tuple[Opener, list[Any]]:
+class DirectTriton:
+    """The engines alone: every stream straight to a worker's Triton, one multiplexed ``stream_infer`` per 1,000.
+
+    Triton's decoupled streaming carries many requests on one call (responses
+    name their request id), so this is the engines' cheapest path: what the
+    machine can do with no mesh in between, at the same streams and rate.
+    """
+
+    def __init__(self, urls: list[str], model: str, groups: int) -> None:
+        self.model = model
+        self.clients = [triton_aio.InferenceServerClient(urls[g % len(urls)]) for g in range(groups)]
+        self.outgoing: list[asyncio.Queue[dict[str, Any] | None]] = [asyncio.Queue() for _ in range(groups)]
+        self.waiting: dict[str, asyncio.Queue[Any]] = {}
+        self.readers = [asyncio.create_task(self._read(c, q)) for c, q in zip(self.clients, self.outgoing, strict=True)]
+
+    async def _read(self, client: triton_aio.InferenceServerClient, outgoing: asyncio.Queue[Any]) -> None:
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            while (item := await outgoing.get()) is not None:
+                yield item
+
+        async for response, error in client.stream_infer(requests()):
+            if error is not None:  # not tied to a request: every stream of this call fails
+                for queue in self.waiting.values():
+                    queue.put_nowait(error)
+                return
+            self.waiting[response.get_response().id].put_nowait(response)
+
+    async def generate(
+        self, i: int, request: inference_pb2.GenerateRequest, timeout: float
+    ) -> AsyncIterator[inference_pb2.GenerateChunk]:
+        """Stream i's responses as the mesh's chunks (seq, text, tokens, LENGTH at the end)."""
+        del timeout  # the stream's end is planned; a stuck one shows as missing tokens
+        sampling = json.dumps({"max_tokens": request.max_tokens, "ignore_eos": True})
+        flag = InferInput("stream", [1], "BOOL")
+        flag.set_data_from_numpy(np.array([True], dtype=bool))
+        inputs = [bytes_input("text_input", request.prompt), flag, bytes_input("sampling_parameters", sampling)]
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.waiting[request.request_id] = queue
+        self.outgoing[i % len(self.outgoing)].put_nowait(
+            {"model_name": self.model, "inputs": inputs, "request_id": request.request_id}
+        )
+        seq, counted = 0, 0
+        try:
+            while True:
+                response = await queue.get()
+                if isinstance(response, Exception):
+                    raise Unavailable(f"Triton: {response}")
+                final = response.get_response().parameters["triton_final_response"].bool_param
+                texts = response.as_numpy("text_output")
+                text = b"".join(texts.reshape(-1)).decode(errors="replace") if texts is not None else ""
+                tokens = int(response.as_numpy("num_output_tokens").reshape(-1)[0])
+                count = max(tokens - counted, 0) if final else tokens
+                counted += count
+                seq += 1
+                yield inference_pb2.GenerateChunk(
+                    seq=seq,
+                    text=text,
+                    token_count=count if text else 0,
+                    finish_reason=inference_pb2.FINISH_REASON_LENGTH if final else 0,
+                )
+                if final:
+                    return
+        finally:
+            del self.waiting[request.request_id]
+
+    async def close(self) -> None:
+        """End every call and close the clients."""
+        for queue in self.outgoing:
+            queue.put_nowait(None)
+        await asyncio.gather(*self.readers, return_exceptions=True)
+        for each in self.clients:
+            await each.close()
+
+
+async def openers(args: argparse.Namespace) -> tuple[Opener, list[Any]]:
     """How the client process opens its streams (--api), and what to close at its end."""
     groups = math.ceil(args.streams / STREAMS_PER_CHANNEL)
+    if args.api == "triton":
+        target = MeshTarget(args.addr)
+        await target.open()
+        direct = DirectTriton(await target.triton_endpoints(), target.model, groups)
+        await target.close()
+        return direct.generate, [direct]
     if args.api == "stream":  # no retry and no resume: a failure is counted, as on the raw Generate path
         clients = [Client(args.addr, retry_deadline_s=0, max_resumes=0) for _ in range(groups)]
         return (lambda i, request, timeout: clients[i % groups].generate(request, timeout=timeout)), clients
@@ -74,7 +159,7 @@ def openers(args: argparse.Namespace) -> tuple[Opener, list[Any]]:
 
 async def client(args: argparse.Namespace) -> None:
     """One ramp step: open --streams streams, report when all are open, write what arrived when."""
-    open_stream, closing = openers(args)
+    open_stream, closing = await openers(args)
     arrivals, tokens, gaps, gap_at = array("d"), array("i"), array("d"), array("d")
     errors: Counter[str] = Counter()
     failed_at: list[float] = []
@@ -219,16 +304,17 @@ def orchestrate(args: argparse.Namespace) -> None:
                 for level, step in zip(args.levels, steps, strict=True):
                     out = Path(folder) / f"client-{level}.json"
                     outputs.append(out)
+                    ramp_start = time.monotonic()
                     clients.append(spawn_client(mesh.router.address, step, end_at, out, f"l{level}", args))
                     line = clients[-1].stdout.readline() if clients[-1].stdout else ""
+                    ramp_s = time.monotonic() - ramp_start
                     if not line.startswith("open"):
                         raise SystemExit(f"the client for level {level} failed: {line!r}")
                     time.sleep(args.settle_s)
                     mesh0, t0 = part_cpu_seconds(parts), time.monotonic()
                     time.sleep(args.window_s)
                     mesh1, t1 = part_cpu_seconds(parts), time.monotonic()
-                    if time.time() > end_at - 5:
-                        raise SystemExit("the ramp ran past the planned end of the streams; raise --ramp-per-s")
+                    late = time.time() > end_at - 5  # the streams were planned to end by now: the window ran short
                     windows.append(
                         {
                             "level": level,
@@ -238,7 +324,14 @@ def orchestrate(args: argparse.Namespace) -> None:
                             "cpu": {name: mesh1[name] - mesh0[name] for name in parts},
                         }
                     )
-                    print(f"  {level} open: measured {t1 - t0:.0f} s", flush=True)
+                    print(f"  {level} open: {step} opened in {ramp_s:.1f} s, measured {t1 - t0:.0f} s", flush=True)
+                    if late:
+                        print(
+                            "  the ramp ran past the planned end of the streams (the machine is saturated, or raise "
+                            "--ramp-per-s): this level's window is cut short; no further level",
+                            flush=True,
+                        )
+                        break
                 for proc in clients:
                     proc.wait(timeout=planned + 180)
             finally:
@@ -253,7 +346,11 @@ def report(
 ) -> None:
     arrivals = [a for r in results for a in r["arrivals"]]
     tokens = [t for r in results for t in r["tokens"]]
-    api = "GenerateStream (tokenmesh.client)" if args.api == "stream" else "Generate (raw stubs)"
+    api = {
+        "stream": "GenerateStream (tokenmesh.client)",
+        "generate": "Generate (raw stubs)",
+        "triton": "no mesh: straight to the Tritons",
+    }[args.api]
     print(f"\n{args.workers} workers, {args.rate:g} tokens/s per stream, one router process; callers on {api}")
     print(
         f"{'open':>7} {'RSS/stream':>11} {'router us/token':>16} {'tokens/s':>9} {'gap p50 ms':>11} "
@@ -283,7 +380,8 @@ def report(
         )
     errors: Counter[str] = Counter()
     for r in results:
-        errors.update(r["errors"])
+        for message, count in r["errors"].items():  # one line per kind, not per generation
+            errors[re.sub(r"generation \S+ ", "generation <id> ", message)] += count
     completed = sum(r["completed"] for r in results)
     for r in results:
         if r["failed_at"]:
@@ -319,10 +417,11 @@ def main() -> None:
     parser.add_argument("--log-dir", default="", help="keep the services' logs here (default: a temporary folder)")
     parser.add_argument(
         "--api",
-        choices=("stream", "generate"),
+        choices=("stream", "generate", "triton"),
         default="stream",
         help="the callers: stream = tokenmesh.client, one GenerateStream call per 1,000 streams (the client's "
-        "default); generate = one Generate call per stream on raw stubs (default stream)",
+        "default); generate = one Generate call per stream on raw stubs; triton = no mesh, straight to the workers' "
+        "Tritons, one multiplexed stream_infer call per 1,000 streams: what the engines do alone (default stream)",
     )
     client_side = parser.add_argument_group("client process (internal)")
     client_side.add_argument("--client", action="store_true", help=argparse.SUPPRESS)

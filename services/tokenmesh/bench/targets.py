@@ -176,7 +176,8 @@ def _final(chunk: inference_pb2.GenerateChunk, result: RequestResult, now: float
         result.error = "FINISH_REASON_ERROR"
 
 
-def _bytes_input(name: str, value: str) -> InferInput:
+def bytes_input(name: str, value: str) -> InferInput:
+    """A one-element BYTES input (the vLLM backend's text and JSON tensors)."""
     tensor = InferInput(name, [1], "BYTES")
     tensor.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
     return tensor
@@ -234,12 +235,12 @@ class TritonTarget(Target):
         stream = InferInput("stream", [1], "BOOL")
         stream.set_data_from_numpy(np.array([True], dtype=bool))
         inputs = [
-            _bytes_input("text_input", prompt.text),
+            bytes_input("text_input", prompt.text),
             stream,
-            _bytes_input("sampling_parameters", json.dumps(sampling)),
+            bytes_input("sampling_parameters", json.dumps(sampling)),
         ]
         if prompt.messages:
-            inputs.append(_bytes_input("messages", json.dumps([{"role": r, "content": c} for r, c in prompt.messages])))
+            inputs.append(bytes_input("messages", json.dumps([{"role": r, "content": c} for r, c in prompt.messages])))
 
         async def requests() -> AsyncIterator[dict[str, Any]]:
             yield {"model_name": self.model, "inputs": inputs}

@@ -49,7 +49,11 @@ class RouterConfig(ServerSettings, TlsSettings):
     default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset")
     max_prompt_bytes: int = setting(1024 * 1024, "largest prompt (or sum of message contents) accepted, in bytes")
     ttft_timeout_s: float = setting(30.0, "a worker that sends no first chunk within this is failed over")
-    stall_timeout_s: float = setting(5.0, "a worker silent this long between chunks is failed over")
+    stall_timeout_s: float = setting(
+        5.0,
+        "a worker silent this long between chunks is failed over (a generation silent on a worker that sends others' "
+        "chunks is slow, not stalled: it moves after --ttft-timeout-s)",
+    )
     max_migrations: int = setting(3, "times one generation may move to (or be retried on) another worker")
     failover_wait_s: float = setting(30.0, "how long a stream whose worker failed waits for another live worker")
     worker_link: str = setting(

@@ -274,8 +274,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         attempts: int,
         observe: Observation,
     ) -> None:
-        """Take stock of a failed attempt: the worker is avoided a while; Unavailable after too many attempts."""
-        self._pool.suspend(entry, self._config.stall_timeout_s, str(failure))
+        """Take stock of a failed attempt: the worker is avoided a while; Unavailable after too many attempts.
+
+        A ``slow`` generation does not suspend its worker: the worker is busy, not failing, and taking it out would
+        move every new generation onto its (equally busy) peers.
+        """
+        if failure.kind != "slow":
+            self._pool.suspend(entry, self._config.stall_timeout_s, str(failure))
         observe.worker_failed(
             entry.address, failure, progress.seq, migrated=0 < progress.seq and attempts <= self._config.max_migrations
         )

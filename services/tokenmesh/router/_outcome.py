@@ -30,7 +30,8 @@ class WorkerFailed(Exception):
 
     Args:
         message: what happened, for logs and the caller's error.
-        kind: which failure, from a small fixed set (a metric label): ``closed``, ``seq_gap``, ``stall``, a
+        kind: which failure, from a small fixed set (a metric label): ``closed``, ``seq_gap``, ``stall``, ``slow`` (one
+            generation silent on a worker that sends others'), a
             status code's name (``unavailable``...) or the worker's error class (``backend``, ``out_of_memory``...).
 
     """

@@ -46,6 +46,9 @@ class WorkerEntry:
     limit: int = 0
     """Most generations this router sends the worker at once (0 = not known yet: one)."""
     served_total: int = 0
+    heard_at: float = 0.0
+    """When (loop time) an attempt on this worker last read an event: a worker that keeps sending is busy, not
+    stalled (:class:`tokenmesh.router._relay.StallWatchdog`)."""
     suspended_until: float = 0.0
     """time.monotonic() until which this router avoids the worker (after it failed a stream)."""
     suspended_reason: str = ""

@@ -120,40 +120,66 @@ def chunk(event: worker_pb2.WorkerEvent, request_id: str, model: str) -> inferen
     )
 
 
+LOOP_LAG_S = 0.5
+"""A watchdog timer that runs this late shows the router's own loop was busy: reads may be waiting, so it looks
+again before it judges (the mesh's own lag is never read as a worker's stall)."""
+
+
 class StallWatchdog:
     """Cancels a worker call that sends nothing for too long (then ``stalled`` says why).
 
     One timer per stream that re-arms itself, instead of a timeout around
     every read: a read per token is the router's hot path. Only time spent
     waiting for a read counts: while the router waits for a slow caller, the
-    worker is not stalled.
+    worker is not stalled. Between events a stall is the *worker's* silence:
+    while other attempts on the same worker keep reading events (its engine
+    is busy, e.g. a saturated machine), a silent generation is failed over
+    only after ``slow_s`` of its own silence, since moving work off a busy
+    worker onto its busy peers turns overload into a cascade of re-prefills.
 
     Args:
         call: the worker call to cancel on a stall.
+        entry: the worker (its ``heard_at``, updated here on every event).
         first_s: longest wait for the first event.
-        between_s: longest wait between later events.
+        between_s: longest silence of the worker between later events.
+        slow_s: longest silence of this generation while its worker is heard from.
 
     """
 
     stalled: str
     """Why the call was cancelled ('' while it was not)."""
+    kind: str
+    """The failure's kind once stalled: ``stall`` (the worker silent) or ``slow`` (only this generation silent)."""
     _call: WorkerCall
+    _entry: WorkerEntry
     _loop: asyncio.AbstractEventLoop
     _limit: float
     _between: float
+    _slow: float
     _since: float
     _reading: bool
+    _started: bool
+    """An event came: the limit is the stall limit, no longer the TTFT one."""
+    _due: float
     _timer: asyncio.TimerHandle
 
-    def __init__(self, call: WorkerCall, first_s: float, between_s: float) -> None:
+    def __init__(self, call: WorkerCall, entry: WorkerEntry, first_s: float, between_s: float, slow_s: float) -> None:
         self._call = call
+        self._entry = entry
         self._loop = asyncio.get_running_loop()
         self._limit = first_s
         self._between = between_s
+        self._slow = max(slow_s, between_s)
         self._since = self._loop.time()
         self._reading = True
+        self._started = False
         self.stalled = ""
-        self._timer = self._loop.call_at(self._since + first_s, self._check)
+        self.kind = "stall"
+        self._arm(self._since + first_s)
+
+    def _arm(self, due: float) -> None:
+        self._due = due
+        self._timer = self._loop.call_at(due, self._check)
 
     def reading(self) -> None:
         """A read begins: silence counts from now."""
@@ -163,21 +189,34 @@ class StallWatchdog:
     def fed(self) -> None:
         """The read returned an event."""
         self._reading = False
-        if self._limit != self._between:  # the first event: from the TTFT limit to the stall limit
+        self._entry.heard_at = now = self._loop.time()
+        if not self._started:  # the first event: from the TTFT limit to the stall limit
+            self._started = True
             self._limit = self._between
             self._timer.cancel()
-            self._timer = self._loop.call_at(self._loop.time() + self._between, self._check)
+            self._arm(now + self._between)
 
     def _check(self) -> None:
         now = self._loop.time()
+        if now - self._due > LOOP_LAG_S:  # the router's loop ran late: let waiting reads in, then look again
+            self._arm(now + LOOP_LAG_S / 10)
+            return
         if not self._reading:  # the router is busy with the caller: look again later
-            self._timer = self._loop.call_at(now + self._limit, self._check)
+            self._arm(now + self._limit)
             return
         due = self._since + self._limit
         if now < due:
-            self._timer = self._loop.call_at(due, self._check)
+            self._arm(due)
             return
-        self.stalled = f"stalled: no output for {self._limit:g} s"
+        if self._started and now - self._entry.heard_at < self._between:
+            quiet = self._since + self._slow  # the worker is sending others' events: busy, not stalled
+            if now < quiet:
+                self._arm(min(quiet, self._entry.heard_at + self._between))
+                return
+            self.stalled = f"stalled: no output for {self._slow:g} s while the worker sent other generations' tokens"
+            self.kind = "slow"
+        else:
+            self.stalled = f"stalled: no output for {self._limit:g} s"
         self._call.cancel()
 
     def stop(self) -> None:
@@ -246,7 +285,7 @@ class Relay:
         forward = start.start
         call = self._open(entry.address, start, trace_context)
         live.call = call
-        watchdog = StallWatchdog(call, self._ttft_timeout_s, self._stall_timeout_s)
+        watchdog = StallWatchdog(call, entry, self._ttft_timeout_s, self._stall_timeout_s, self._ttft_timeout_s)
         received = finished = detach = False
         try:
             await self._start(
@@ -274,7 +313,7 @@ class Relay:
             raise outcome(exc, entry.address, received=received) from exc
         except asyncio.CancelledError:
             if watchdog.stalled:
-                raise WorkerFailed(watchdog.stalled, "stall") from None
+                raise WorkerFailed(watchdog.stalled, watchdog.kind) from None
             detach = start.resumable  # the caller went away
             raise
         except GeneratorExit:
