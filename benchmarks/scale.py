@@ -26,6 +26,7 @@ the 1k figure.
     .venv/bin/python benchmarks/scale.py
     .venv/bin/python benchmarks/scale.py --levels 500,2000 --workers 2 --window-s 10
     .venv/bin/python benchmarks/scale.py --levels 1000,5000,10000 --api generate
+    .venv/bin/python benchmarks/scale.py --levels 1000,5000,10000 --api triton   # the engines alone
 """
 
 from __future__ import annotations
