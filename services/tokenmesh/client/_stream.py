@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 
 from tokenmesh.errors import rpc_error
+from tokenmesh.inbox import Inbox
 from tokenmesh.outbox import Outbox
 from tokenmesh.v1 import inference_pb2
 
@@ -67,7 +68,7 @@ def broken(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=message)
 
 
-class Stream:
+class Stream(Inbox[inference_pb2.GenerateChunk]):
     """One generation or resume on a GenerateStream call, iterated as a Generate or Resume call is.
 
     Args:
@@ -76,27 +77,16 @@ class Stream:
 
     """
 
-    __slots__ = ("_closed", "_ended", "_mailbox", "_owed", "_session", "_timer", "_waiter", "stream")
+    __slots__ = ("_closed", "_session", "_timer")
 
-    stream: int
     _session: StreamSession
-    _mailbox: deque[Item]
-    _waiter: asyncio.Future[None] | None
-    _owed: int
-    """Credit taken by the caller and not yet returned to the router."""
-    _ended: bool
-    """The router ended the stream (final chunk or StreamEnd) or the call broke: nothing more comes."""
     _closed: bool
     """The client let go of it (cancel(), let_go() or its deadline)."""
     _timer: asyncio.TimerHandle | None
 
     def __init__(self, session: StreamSession, stream: int) -> None:
-        self.stream = stream
+        super().__init__(session, stream)
         self._session = session
-        self._mailbox = deque()
-        self._waiter = None
-        self._owed = 0
-        self._ended = False
         self._closed = False
         self._timer = None
 
@@ -104,13 +94,9 @@ class Stream:
 
     def put(self, item: Item, *, last: bool = False) -> None:
         """A chunk (or the error that ends the stream) for the caller; wake it if it waits."""
-        self._mailbox.append(item)
-        if last:
-            self._ended = True
-            if self._timer is not None:
-                self._timer.cancel()
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if last and self._timer is not None:
+            self._timer.cancel()
+        super().put(item, last=last)
 
     def expire_at(self, deadline: float) -> None:
         """End the stream with DEADLINE_EXCEEDED at deadline (monotonic), as a call's own deadline would."""
@@ -130,24 +116,13 @@ class Stream:
 
     async def __anext__(self) -> inference_pb2.GenerateChunk:
         """The next chunk; raises the status or break that ended the stream; stops after the final chunk."""
-        if not self._mailbox:
-            if self._ended or self._closed:
-                raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-            if not self._mailbox:  # cancel() woke it
-                raise StopAsyncIteration
-        item = self._mailbox.popleft()
-        if isinstance(item, BaseException):
-            raise item
+        if not self._mailbox and (self._ended or self._closed):
+            raise StopAsyncIteration
+        item = await self._take()
+        if item is None:  # let_go() woke it
+            raise StopAsyncIteration
         if not item.finish_reason:  # the final chunk costs nothing, and nothing follows it
-            self._owed += len(item.text.encode()) + CHUNK_OVERHEAD
-            if self._owed >= self._session.grant_at:  # coalesced: not a credit message per chunk
-                self._session.grant(self.stream, self._owed)
-                self._owed = 0
+            self._owe(len(item.text.encode()) + CHUNK_OVERHEAD)
         return item
 
     def cancel(self) -> bool:
@@ -161,8 +136,7 @@ class Stream:
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._wake()
         if self._ended:
             return False
         if cancel:

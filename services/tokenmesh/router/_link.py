@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +32,7 @@ from opentelemetry.trace import Status, StatusCode
 from prometheus_client import Counter
 
 from tokenmesh.errors import label, rpc_error
+from tokenmesh.inbox import Inbox
 from tokenmesh.links import Link
 from tokenmesh.outbox import Outbox
 from tokenmesh.retry import Reconnect
@@ -57,7 +57,7 @@ Item = worker_pb2.WorkerEvent | BaseException
 """What an attempt's mailbox holds: the worker's events, then the error that ends the attempt, if any."""
 
 
-class Attempt:
+class Attempt(Inbox[worker_pb2.WorkerEvent]):
     """One attempt of a generation on a link: read like a Worker/Generate call (``read``, ``write``, ``cancel``).
 
     Args:
@@ -66,28 +66,17 @@ class Attempt:
 
     """
 
-    __slots__ = ("_closed", "_ended", "_mailbox", "_owed", "_session", "_waiter", "span", "stream")
+    __slots__ = ("_closed", "_session", "span")
 
-    stream: int
     span: trace.Span | None
     """A traced attempt's client span (the worker's generation span is its child); ended when the attempt is."""
     _session: LinkSession
-    _mailbox: deque[Item]
-    _waiter: asyncio.Future[None] | None
-    _owed: int
-    """Credit taken by the consumer and not yet returned to the worker."""
-    _ended: bool
-    """The worker ended the stream (or the link broke): nothing more comes, nothing to detach."""
     _closed: bool
     """The router let go of it (cancel())."""
 
     def __init__(self, session: LinkSession, stream: int) -> None:
-        self.stream = stream
+        super().__init__(session, stream)
         self._session = session
-        self._mailbox = deque()
-        self._waiter = None
-        self._owed = 0
-        self._ended = False
         self._closed = False
         self.span = None
 
@@ -116,12 +105,9 @@ class Attempt:
 
     def put(self, item: Item, *, last: bool = False) -> None:
         """An event (or the error that ends the attempt) for the consumer; wake it if it waits."""
-        self._mailbox.append(item)
-        self._ended = self._ended or last
         if self.span is not None and isinstance(item, BaseException):
             self.span.set_status(Status(StatusCode.ERROR, str(item)))
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        super().put(item, last=last)
 
     def end(self, end: worker_pb2.LinkEnd) -> None:
         """The worker ended the stream: its end or error event, or the status its own call would have ended with."""
@@ -133,22 +119,13 @@ class Attempt:
 
     async def read(self) -> worker_pb2.WorkerEvent:
         """The next event; raises the status or link failure that ended the attempt (CancelledError once cancelled)."""
-        if not self._mailbox:
-            if self._closed:
-                raise asyncio.CancelledError
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        item = self._mailbox.popleft()
-        if isinstance(item, BaseException):
-            raise item
+        if self._closed and not self._mailbox:
+            raise asyncio.CancelledError
+        item = await self._take()  # cancel() cancels the wait: CancelledError
+        if item is None:
+            raise asyncio.CancelledError
         if item.HasField("chunk"):
-            self._owed += len(item.chunk.text.encode()) + CHUNK_OVERHEAD
-            if self._owed >= self._session.grant_at:  # coalesced: not a credit message per chunk
-                self._session.grant(self.stream, self._owed)
-                self._owed = 0
+            self._owe(len(item.chunk.text.encode()) + CHUNK_OVERHEAD)
         return item
 
     async def write(self, command: worker_pb2.WorkerCommand) -> None:
