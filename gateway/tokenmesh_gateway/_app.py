@@ -412,13 +412,16 @@ class _MethodNotAllowed(HttpError):
 
 
 def _model(model: inference_pb2.ModelInfo, created: int) -> dict[str, Any]:
-    return {
+    card: dict[str, Any] = {
         "id": model.name,
         "object": "model",
         "created": created,
         "owned_by": "tokenmesh",
         "max_model_len": model.max_context,
     }
+    if model.base:
+        card["parent"] = model.base  # a LoRA adapter names its base model, as vLLM's /v1/models does
+    return card
 
 
 # -- the route table ------------------------------------------------------------------

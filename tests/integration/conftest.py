@@ -17,6 +17,7 @@ import grpc
 import psutil
 import pytest
 
+from tests.support.lora import write_adapter
 from tests.support.processes import descendants
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.v1 import inference_pb2_grpc, router_pb2, router_pb2_grpc
@@ -130,3 +131,9 @@ def running_mesh(tmp: Path, workers: int = 2, **settings: object) -> Iterator[Me
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshHandle]:
     with running_mesh(tmp_path_factory.mktemp("mesh")) as handle:
         yield handle
+
+
+@pytest.fixture(scope="session")
+def demo_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """scripts/make_lora.py's deterministic SmolLM2 adapter (default settings), written once per session."""
+    return write_adapter(tmp_path_factory.mktemp("lora") / "demo.gguf")

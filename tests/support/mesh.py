@@ -63,16 +63,20 @@ async def stats(mesh: InProcessMesh, i: int) -> worker_pb2.WorkerStats:
 async def in_process_mesh(
     worker_settings: dict[str, object] | None = None,
     backend_settings: dict[str, Any] | None = None,
+    *,
+    per_backend: tuple[dict[str, Any], dict[str, Any]] = ({}, {}),
     **router_settings: object,
 ) -> AsyncIterator[InProcessMesh]:
     """Two workers over FakeBackend and a router (no prober: even split over healthy workers).
+
+    ``per_backend``: settings of each worker's FakeBackend on top of ``backend_settings`` (one worker's adapters).
 
     The router's ``worker_link`` defaults to ``$TOKENMESH_TEST_WORKER_LINK`` (else the router's default, auto), so
     a mesh suite runs both ways; with the link on, the mesh is ready once each worker's link is open (or refused).
     """
     if os.environ.get(LINK_ENV):
         router_settings.setdefault("worker_link", os.environ[LINK_ENV])
-    backends = [FakeBackend(**(backend_settings or {})), FakeBackend(**(backend_settings or {}))]
+    backends = [FakeBackend(**(backend_settings or {}), **own) for own in per_backend]
     workers = [Worker(WorkerConfig(port=0, drain_grace_s=1, **(worker_settings or {})), backend=b) for b in backends]
     router: Router | None = None
     channel: grpc.aio.Channel | None = None

@@ -272,8 +272,14 @@ class WorkerPool:
             defaults = [info for info, _ in models.values() if info.is_default]
             return defaults[0] if defaults else next(iter(models.values()))[0]
         if name not in models:
+            base, _, adapter = name.partition(":")
+            adapters = sorted(n for n, (info, _) in models.items() if info.base == base)
+            if adapter and base in models:
+                what = f"unknown adapter {adapter!r} of model {base!r}; its adapters: {', '.join(adapters) or 'none'}"
+            else:
+                what = f"unknown model {name!r}; available: {', '.join(sorted(models))}"
             raise NotFound(
-                f"unknown model {name!r}; available: {', '.join(sorted(models))}",
+                what,
                 reason="UNKNOWN_MODEL",
                 field="model",
                 metadata={"model": name, "available": ",".join(sorted(models))},

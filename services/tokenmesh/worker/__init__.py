@@ -13,6 +13,7 @@ from tokenmesh.worker._backend import (
     Generation,
     GenerationParams,
     ModelSpec,
+    parse_adapters,
 )
 from tokenmesh.worker._concurrency import AdaptiveLimit
 from tokenmesh.worker._config import WorkerConfig, format_cpus, parse_cpus
@@ -41,4 +42,5 @@ __all__ = [
     "format_cpus",
     "parse_cpus",
     "nvml_reader",
+    "parse_adapters",
 ]

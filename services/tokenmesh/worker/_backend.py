@@ -13,6 +13,17 @@ from dataclasses import dataclass, field
 
 from tokenmesh.v1 import worker_pb2
 
+ADAPTER_SEPARATOR = ":"
+"""A request names LoRA adapter ``a`` of model ``m`` as the model ``m:a`` (ListModels lists it so)."""
+
+
+def parse_adapters(spec: str) -> tuple[str, ...]:
+    """The adapter names of a model's ``lora_adapters`` parameter ("name=path,name=path"), in order.
+
+    The model itself checks the paths and loads the files; the worker needs the names only.
+    """
+    return tuple(item.partition("=")[0].strip() for item in spec.split(",") if item.strip())
+
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
@@ -27,6 +38,13 @@ class ModelSpec:
     chat: bool = True
     """It takes a ``messages`` input and applies its chat template (our models do; the stock vLLM backend
     takes a prompt only)."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters the engine loaded with the model (llama.cpp loads them only then), each served as the
+    model ``<name>:<adapter>``."""
+
+    def adapter_model(self, adapter: str) -> str:
+        """The model name a request uses for one of this model's adapters."""
+        return f"{self.name}{ADAPTER_SEPARATOR}{adapter}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +52,8 @@ class GenerationParams:
     """One generation, already validated by the router."""
 
     model: str
+    adapter: str = ""
+    """The LoRA adapter of the model to apply ('' = the model itself)."""
     prompt: str = ""
     messages: tuple[tuple[str, str], ...] = ()
     """(role, content) pairs; when set, prompt is ignored."""

@@ -28,6 +28,8 @@ class WorkerState:
     """Whether Generate accepts new generations."""
     has_model: Callable[[], bool]
     """Whether the backend has a model loaded (the concurrency limit is known then)."""
+    adapters: Callable[[], list[tuple[str, str]]]
+    """(model, adapter) of every LoRA adapter the engine loaded."""
     held: Callable[[], int]
     """Generations held for Resume."""
     restarts: Callable[[], int]
@@ -74,6 +76,12 @@ class WorkerMetrics:
         self.output_tokens = Counter(
             "tokenmesh_worker_generation_tokens_total", "Tokens the engine produced", registry=r
         )
+        self.adapter_generations = Counter(
+            "tokenmesh_worker_adapter_generations_total",
+            "Generations started with a LoRA adapter applied, by model and adapter (the model's own: none)",
+            ["model", "adapter"],
+            registry=r,
+        )
 
     def watch(self, state: WorkerState) -> None:
         """Report the worker's state and its engine's queue at every scrape."""
@@ -87,6 +95,11 @@ class WorkerMetrics:
             self.engine_ttft.observe(ttft_s)
         elif gap_s is not None:
             self.engine_itl.observe(gap_s)
+
+    def adapter_generation(self, model: str, adapter: str) -> None:
+        """A generation started with one of model's adapters (labels bounded: the adapters the engine loaded)."""
+        if self.enabled:
+            self.adapter_generations.labels(model, adapter).inc()
 
     def settled(self, last: worker_pb2.WorkerEvent | None, tokens: int) -> None:
         """A generation ended; last: its final event (end or error)."""
@@ -150,6 +163,14 @@ class _StateCollector(Collector):
                 "Moving average of the time requests spent in Triton's queue",
                 value=t.engine_queue_ms / 1000,
             )
+        loaded = GaugeMetricFamily(
+            "tokenmesh_worker_adapter_loaded",
+            "1 for each LoRA adapter the engine loaded with its model (llama.cpp loads them only then)",
+            labels=["model", "adapter"],
+        )
+        for model, adapter in s.adapters():
+            loaded.add_metric([model, adapter], 1.0)
+        yield loaded
         used = GaugeMetricFamily(
             "tokenmesh_worker_device_memory_used_bytes", "Device memory in use (NVML)", labels=["device"]
         )

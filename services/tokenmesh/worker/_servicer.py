@@ -23,6 +23,21 @@ from tokenmesh.worker._metrics import WorkerMetrics, WorkerState
 from tokenmesh.worker._registry import Record, Registry
 from tokenmesh.worker._telemetry import Telemetry
 
+Target = tuple[ModelSpec, str]
+"""What a request's model names: the engine's model, and one of its LoRA adapters ('' = none)."""
+
+
+def model_infos(models: list[ModelSpec]) -> list[inference_pb2.ModelInfo]:
+    """What Describe lists: each model (the first is the default), then each of its adapters as a model."""
+    infos = []
+    for i, m in enumerate(models):
+        infos.append(inference_pb2.ModelInfo(name=m.name, max_context=m.max_context, is_default=(i == 0), workers=1))
+        infos += [
+            inference_pb2.ModelInfo(name=m.adapter_model(a), max_context=m.max_context, workers=1, base=m.name)
+            for a in m.adapters
+        ]
+    return infos
+
 
 def _start_command(first: worker_pb2.WorkerCommand | None) -> worker_pb2.WorkerCommand:
     """The stream's first command, which must start the generation."""
@@ -33,22 +48,24 @@ def _start_command(first: worker_pb2.WorkerCommand | None) -> worker_pb2.WorkerC
 
 def generation_params(
     first: worker_pb2.WorkerCommand,
-    spec: ModelSpec,
+    target: Target,
     time_remaining: float | None,
     trace_context: tuple[tuple[str, str], ...],
 ) -> GenerationParams:
-    """The backend's parameters for a start command on spec's model.
+    """The backend's parameters for a start command on target's model (and adapter).
 
     Args:
         first: the start command (the router's request, its deadline).
-        spec: the model it runs on.
+        target: the model it runs on, and the adapter applied ('' for none).
         time_remaining: the call's own deadline, used when the start names none.
         trace_context: the W3C headers that make the backend's spans children of ours.
 
     """
     req = first.start
+    spec, adapter = target
     return GenerationParams(
         model=spec.name,
+        adapter=adapter,
         prompt=req.prompt,
         messages=tuple((m.role, m.content) for m in req.messages),
         max_tokens=req.max_tokens,
@@ -137,6 +154,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 in_flight=lambda: self.in_flight,
                 serving=lambda: self.serving,
                 has_model=self.backend_models,
+                adapters=lambda: [(m.name, a) for m in self._backend.models() for a in m.adapters],
                 held=lambda: len(self.registry.records),
                 restarts=lambda: self.backend_restarts,
             )
@@ -178,17 +196,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Whether the backend has a model loaded (the limit is known then)."""
         return bool(self._backend.models())
 
-    def _model(self, name: str) -> ModelSpec:
+    def _model(self, name: str) -> Target:
         models = self._backend.models()
         if not models:
             raise Unavailable("worker has no model loaded yet")
         if not name:
-            return models[0]
+            return models[0], ""
         for spec in models:
             if spec.name == name:
-                return spec
+                return spec, ""
+            adapter = next((a for a in spec.adapters if spec.adapter_model(a) == name), None)
+            if adapter is not None:
+                return spec, adapter
         raise NotFound(
-            f"model {name!r} is not served here; served: {', '.join(m.name for m in models)}",
+            f"model {name!r} is not served here; served: {', '.join(i.name for i in model_infos(models))}",
             reason="MODEL_NOT_SERVED",
             metadata={"model": name},
         )
@@ -229,17 +250,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         Raises the MeshError that refuses it (not serving, at the limit, a bad request, a model not served here).
         """
-        spec = self._admit(first.start)
-        span = self._span(first, spec, metadata)
+        target = self._admit(first.start)
+        span = self._span(first, target, metadata)
         # Triton, tracing, makes its spans children of ours (or of the router's: a no-op span carries its context).
-        params = generation_params(first, spec, time_remaining, tuple(inject(span).items()))
+        params = generation_params(first, target, time_remaining, tuple(inject(span).items()))
         logs.about(params.request_id, span)  # before the pump task starts: it copies this context
         record = self._start(first, params)
         span.set_attribute("tokenmesh.first_seq", record.first_seq)
         return record, span
 
-    def _admit(self, req: inference_pb2.GenerateRequest) -> ModelSpec:
-        """The model a started request runs on, or why this worker does not take it now."""
+    def _admit(self, req: inference_pb2.GenerateRequest) -> Target:
+        """The model (and adapter) a started request runs on, or why this worker does not take it now."""
         if not self.serving:
             raise Unavailable(
                 "worker is not serving (starting, draining, or its Triton is down)", reason="WORKER_NOT_SERVING"
@@ -254,9 +275,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 f"worker is at its limit of {self.limits.admission_limit()} generations{lowered}",
                 reason="WORKER_AT_LIMIT",
             )
-        spec = self._model(req.model)
         if not req.HasField("max_tokens"):
             raise InvalidArgument("start.max_tokens is required (the router sets the default)")
+        target = spec, _ = self._model(req.model)
         check_max_tokens(req, spec.name, spec.max_context)
         if req.messages and not spec.chat:
             # Sent anyway, Triton refuses the unknown input, which reads as a backend failure and fails over.
@@ -265,10 +286,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 "`messages` input (as the stock vLLM backend); send `prompt` with the chat "
                 "template applied"
             )
-        return spec
+        return target
 
     def _span(
-        self, first: worker_pb2.WorkerCommand, spec: ModelSpec, metadata: Iterable[tuple[str, Any]] | None
+        self, first: worker_pb2.WorkerCommand, target: Target, metadata: Iterable[tuple[str, Any]] | None
     ) -> trace.Span:
         """The generation's span on this worker: a child of the router's context, where that came.
 
@@ -279,12 +300,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """
         linked = metadata is None
         context = from_mapping(first.trace_context) if first.trace_context or linked else parent(metadata)
+        spec, adapter = target
+        model = spec.adapter_model(adapter) if adapter else spec.name
         return self.tracer.start_span(
-            f"generate {spec.name}",
+            f"generate {model}",
             context=context,
             kind=trace.SpanKind.INTERNAL if context is None else trace.SpanKind.SERVER,
             attributes={
-                "gen_ai.request.model": spec.name,
+                "gen_ai.request.model": model,
                 "gen_ai.response.id": first.start.request_id,
                 "tokenmesh.tokens_before": first.tokens_before,
                 "tokenmesh.triton_url": self._backend.endpoint,
@@ -297,6 +320,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         generation = self._backend.generate(params)  # may raise (Triton gone): nothing is counted yet
         self.in_flight += 1
         self.idle.clear()
+        if params.adapter:
+            self.metrics.adapter_generation(params.model, params.adapter)
         record = self.registry.start(
             params.request_id,
             first.first_seq or 1,
@@ -408,10 +433,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Models served, Triton endpoint and devices."""
         models = self._backend.models()
         return worker_pb2.DescribeResponse(
-            models=[
-                inference_pb2.ModelInfo(name=m.name, max_context=m.max_context, is_default=(i == 0), workers=1)
-                for i, m in enumerate(models)
-            ],
+            models=model_infos(models),
             triton_url=self._backend.endpoint,
             cuda_visible_devices=self._cuda_visible_devices,
             triton_pid=self._backend.pid or 0,

@@ -15,7 +15,15 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tokenmesh.v1 import worker_pb2
-from tokenmesh.worker._backend import Backend, BackendError, EngineStats, Generation, GenerationParams, ModelSpec
+from tokenmesh.worker._backend import (
+    Backend,
+    BackendError,
+    EngineStats,
+    Generation,
+    GenerationParams,
+    ModelSpec,
+    parse_adapters,
+)
 from tokenmesh.worker.triton._generation import TritonGeneration
 from tokenmesh.worker.triton._metrics import _fetch_text, parse_pending
 from tokenmesh.worker.triton._process import PortTaken, TritonProcess, TritonProcessConfig
@@ -163,7 +171,8 @@ class TritonBackend(Backend):
             n_ctx = parameters.get("n_ctx")
             max_context = int(n_ctx) // slots if n_ctx else self.config.default_max_context
             chat = any(i.get("name") == "messages" for i in config.get("input", []))
-            specs.append(ModelSpec(name=name, max_context=max_context, slots=slots, chat=chat))
+            adapters = parse_adapters(parameters.get("lora_adapters", ""))
+            specs.append(ModelSpec(name=name, max_context=max_context, slots=slots, chat=chat, adapters=adapters))
         return specs
 
     @property

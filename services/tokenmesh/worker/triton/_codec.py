@@ -60,6 +60,8 @@ def build_request(params: GenerationParams) -> service_pb2.ModelInferRequest:
         sampling["seed"] = params.seed
     if params.ignore_eos:
         sampling["ignore_eos"] = True
+    if params.adapter:
+        sampling["lora_name"] = params.adapter  # the vLLM backend's key, which our llama.cpp model reads too
     request = service_pb2.ModelInferRequest(model_name=params.model, id=params.request_id)
     _add_input(request, "text_input", "BYTES", encode_bytes(params.prompt))
     _add_input(request, "stream", "BOOL", b"\x01")

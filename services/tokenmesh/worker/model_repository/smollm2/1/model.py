@@ -45,6 +45,29 @@ def _default_gguf() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def _adapters(spec: str, model_dir: str) -> list[tuple[str, str]]:
+    """Parameter ``lora_adapters`` ("name=path,name=path") as (name, absolute path), in the order given.
+
+    The worker reads the names from the same parameter (``tokenmesh.worker.parse_adapters``); a relative
+    path is relative to this model's folder (the one holding config.pbtxt), so it travels with the repository.
+    """
+    adapters: list[tuple[str, str]] = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, path = item.partition("=")
+        name, path = name.strip(), path.strip()
+        if not name or not path or not all(c.isalnum() or c in "._-" for c in name):
+            raise pb_utils.TritonModelException(
+                f"lora_adapters: {item!r} is not name=path (a name of letters, digits, '.', '_', '-')"
+            )
+        if name in (n for n, _ in adapters):
+            raise pb_utils.TritonModelException(f"lora_adapters: {name!r} is named twice")
+        full = path if os.path.isabs(path) else os.path.join(model_dir, path)
+        if not os.path.isfile(full):
+            raise pb_utils.TritonModelException(f"lora_adapters: {name!r}: no file {full}")
+        adapters.append((name, full))
+    return adapters
+
+
 def _exit_with_triton() -> None:
     """End this stub when its tritonserver dies.
 
@@ -82,11 +105,22 @@ class TritonPythonModel:
         # llama.cpp keeps evicted prompt states in host RAM, 8 GiB by default:
         # without a bound the model process grows with every distinct prompt.
         p.cache_ram_mib = int(params.get("cache_ram_mib", "128"))
+        self._adapters = _adapters(params.get("lora_adapters", ""), args.get("model_repository", ""))
+        if self._adapters:
+            # Loaded once, with the model: llama.cpp loads adapters only at init (no load or unload later).
+            # Scale 0 by default, so a request that names no adapter runs the base model; a request applies
+            # its own with the per-request `lora` field.
+            p.lora_adapters = [xllamacpp.CommonAdapterLoraInfo(path, 0.0) for _, path in self._adapters]
+            p.lora_init_without_apply = True
+            # llama.cpp's RAM prompt cache keys a saved prompt by its tokens only, not by the adapter it was
+            # computed under: a prompt restored from it would decode one adapter's KV under another.
+            p.cache_ram_mib = 0
         p.use_jinja = True
         if params.get("chat_template"):
             p.chat_template = params["chat_template"]
         p.warmup = False
         p.verbosity = -1
+        self._lora_ids = {name: i for i, (name, _) in enumerate(self._adapters)}
         self._engine = xllamacpp.Server(p)
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
@@ -99,7 +133,7 @@ class TritonPythonModel:
             # are not safe to read from another thread once execute returns.
             sender = request.get_response_sender()
             try:
-                body, chat = _request_body(request)
+                body, chat = _request_body(request, self._lora_ids)
                 streaming = _input_bool(request, "stream", default=True)
             except Exception as exc:  # noqa: BLE001 - a bad request must be answered, not crash the stub
                 sender.send(
@@ -180,10 +214,15 @@ class TritonPythonModel:
         sender.send(final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
-def _request_body(request: Any) -> tuple[dict[str, Any], bool]:
-    """Build the llama.cpp request JSON; True when it is a chat request."""
+def _request_body(request: Any, lora_ids: dict[str, int]) -> tuple[dict[str, Any], bool]:
+    """Build the llama.cpp request JSON; True when it is a chat request.
+
+    ``lora_ids``: the loaded adapters' llama.cpp ids by name; ``sampling_parameters.lora_name`` (the vLLM
+    backend's key) picks one.
+    """
     body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
     sampling = _input_str(request, "sampling_parameters")
+    given: dict[str, Any] = {}
     if sampling:
         given = json.loads(sampling)
         if not isinstance(given, dict):
@@ -191,6 +230,14 @@ def _request_body(request: Any) -> tuple[dict[str, Any], bool]:
         for key, target in _SAMPLING_KEYS.items():
             if key in given and given[key] is not None:
                 body[target] = given[key]
+    lora_name = given.get("lora_name") or ""
+    if lora_name and lora_name not in lora_ids:
+        known = ", ".join(lora_ids) or "none"
+        raise ValueError(f"unknown LoRA adapter {lora_name!r}; this model loaded: {known}")
+    if lora_ids:
+        # Always a non-empty list: llama.cpp compares a request's list with what the slot ran last, and drops
+        # the slot's KV when they differ, only when there is one; without, it would reuse KV of an adapter.
+        body["lora"] = [{"id": lora_ids[lora_name], "scale": 1.0}] if lora_name else [{"id": 0, "scale": 0.0}]
     messages = _input_str(request, "messages")
     if messages:
         body["messages"] = json.loads(messages)
