@@ -56,7 +56,7 @@ class WorkerEntry:
     """Ends the suspension on time and tells the pool's listeners (a waiter may take the worker then)."""
     ceiling: int | None = None
     """This router's allowance on the worker while lowered after the worker refused a start (at its limit: other
-    routers fill it too): what it had running there then, growing by one per CEILING_GROWTH_S; None: not lowered."""
+    routers fill it too): what it had running there then, growing a step per CEILING_GROWTH_S; None: not lowered."""
     ceiling_growth: asyncio.TimerHandle | None = field(default=None, repr=False)
     """Raises the ceiling by one on time and tells the pool's listeners (a waiter may take the slot then)."""
     gone: str = ""
@@ -69,8 +69,11 @@ POLICIES = ("prefix", "least-loaded", "round-robin")
 LOAD_BOUND = 1.25
 """Prefix policy: a worker above this multiple of the average load is skipped for its prefixes."""
 CEILING_GROWTH_S = 1.0
-"""After a worker refused a start, this router's allowance there grows back by one per this many seconds (additive
-increase: a worker shared by several routers is probed for room about once a second per router, not per start)."""
+"""After a worker refused a start, this router's allowance there grows back one step per this many seconds
+(additive increase: a full worker shared by several routers sees a few refused starts a second, not one per start)."""
+CEILING_STEPS = 8
+"""Steps from an allowance of 0 back to the whole share: a step is 1/8 of the share (at least 1), so a 64-slot
+worker left to this router is used fully again within 8 s, and an 8-slot one grows by one a second."""
 PREFIX_CHARS_PER_SLOT = 2048
 """Prefix policy: each this many characters of shared prefix (~512 tokens of prefill) buy one extra generation."""
 
@@ -223,7 +226,7 @@ class WorkerPool:
         Called while the refused attempt still holds its slot (so one less than ``in_flight``). Several routers each
         take a worker's whole limit as their allowance (a caller pins to one router, so an equal split would idle
         what a quiet router leaves); the one that finds the worker full lowers its own allowance to what fit, and
-        grows it back by one per CEILING_GROWTH_S (:meth:`_grow`), up to its share of the limit again.
+        grows it back one step (CEILING_STEPS) per CEILING_GROWTH_S (:meth:`_grow`), up to its share of the limit.
         """
         entry.ceiling = max(0, entry.in_flight - 1)
         if entry.ceiling_growth is None:
@@ -237,12 +240,13 @@ class WorkerPool:
         entry.ceiling_growth = loop.call_later(CEILING_GROWTH_S, self._grow, entry)
 
     def _grow(self, entry: WorkerEntry) -> None:
-        """One more generation may go to the worker (it is lifted once back at the share of the limit)."""
+        """A step more generations may go to the worker (the ceiling is lifted once back at the share of the limit)."""
         entry.ceiling_growth = None
         if entry.ceiling is None:
             return
-        entry.ceiling += 1
-        if entry.ceiling >= self.share_of_limit(entry):
+        share = self.share_of_limit(entry)
+        entry.ceiling += max(1, share // CEILING_STEPS)
+        if entry.ceiling >= share:
             entry.ceiling = None
         else:
             self._schedule_growth(entry)

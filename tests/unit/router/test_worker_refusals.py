@@ -57,6 +57,18 @@ def test_the_ceiling_grows_by_one_per_step_up_to_the_routers_share_and_tells_the
     assert pool.allowance(a) == 4
 
 
+def test_a_large_worker_is_taken_back_in_eighths_of_the_share() -> None:
+    pool = pool_with("a:1", limit=64)
+    a = pool.entries["a:1"]
+    a.in_flight = 1
+    pool.refused(a)  # another router filled it: this one runs nothing there now
+    steps = []
+    while a.ceiling is not None:
+        pool._grow(a)
+        steps.append(pool.allowance(a))
+    assert steps == [8, 16, 24, 32, 40, 48, 56, 64]
+
+
 async def test_a_waiter_gets_the_worker_when_the_ceiling_grows_without_a_release(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
