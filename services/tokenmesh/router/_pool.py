@@ -58,7 +58,7 @@ class WorkerEntry:
     """This router's allowance on the worker while lowered after the worker refused a start (at its limit: other
     routers fill it too): what it had running there then, growing a step per CEILING_GROWTH_S; None: not lowered."""
     ceiling_growth: asyncio.TimerHandle | None = field(default=None, repr=False)
-    """Raises the ceiling by one on time and tells the pool's listeners (a waiter may take the slot then)."""
+    """Raises the ceiling a step on time and tells the pool's listeners (a waiter may take the slot then)."""
     gone: str = ""
     """Why discovery no longer lists the worker ('' while it does): it gets no new work, and is dropped once
     its streams ended."""
