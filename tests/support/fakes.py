@@ -95,12 +95,13 @@ class FakeBackend(Backend):
         max_context: int = 512,
         chat: bool = True,
         adapters: tuple[str, ...] = (),
+        slots: int = 4,
     ) -> None:
         self.delay = delay
         self.fail_after: int | None = None
         self.stall_after: int | None = None
         self.started: list[FakeGeneration] = []
-        self._spec = ModelSpec(name=name, max_context=max_context, slots=4, chat=chat, adapters=adapters)
+        self._spec = ModelSpec(name=name, max_context=max_context, slots=slots, chat=chat, adapters=adapters)
         self.running = False
         self.restarts = 0
         self.fault_once: tuple[int, str] | None = None

@@ -3,11 +3,12 @@
 A generation gets a worker slot at once when one is free and nobody of equal
 or higher priority waits; otherwise it waits in the admission queue. When a
 slot frees, the waiter with the highest effective priority goes first: its
-priority (LOW 1, NORMAL 2, HIGH 3; a stream moving off a failed worker 4)
-plus one level per ``aging_s`` waited, so LOW cannot starve. Among equals, the
-tenant (``labels["tenant"]``) with fewer generations running goes first, then
-the earliest. The queue is bounded in length and in wait; both answer
-RESOURCE_EXHAUSTED with a retry hint (``RetryInfo``; reason QUEUE_FULL or QUEUE_TIMEOUT).
+priority (LOW 1, NORMAL 2, HIGH 3; a stream moving off a failed worker, or one
+a worker refused at its limit, 4) plus one level per ``aging_s`` waited, so LOW
+cannot starve. Among equals, the tenant (``labels["tenant"]``) with fewer
+generations running goes first, then the earliest. The queue is bounded in
+length (for arrivals) and in wait; both answer RESOURCE_EXHAUSTED with a retry
+hint (``RetryInfo``; reason QUEUE_FULL or QUEUE_TIMEOUT).
 
 Slots are handed out when they can change hands: when one is released, and
 when the pool reports a change (health, a weight table, a limit, a
@@ -28,7 +29,8 @@ from tokenmesh.router._pool import WorkerEntry, WorkerPool
 from tokenmesh.v1 import inference_pb2
 
 FAILOVER = 4
-"""Priority of a stream moving off a failed worker: it already has a caller waiting mid-stream."""
+"""Priority of a stream moving off a failed worker (it already has a caller waiting mid-stream), or of one a worker
+refused at its limit (admitted here already): ahead of every arrival, and never refused for a full queue."""
 
 _PRIORITY: dict[int, int] = {
     inference_pb2.PRIORITY_UNSPECIFIED: 2,
@@ -107,7 +109,7 @@ class Admission:
 
         Raises Unavailable when no live worker serves the model at all (unless
         level is FAILOVER, which waits for one), ResourceExhausted when the
-        queue is full or the wait (timeout_s, default queue_timeout_s) runs out,
+        queue is full (never at level FAILOVER) or the wait (timeout_s, default queue_timeout_s) runs out,
         Cancelled once ``abandon`` is done (the generation was cancelled).
         """
         if abandon is not None and abandon.done():
@@ -119,7 +121,9 @@ class Admission:
         entry = None if ahead else self.pool.pick(model, key=key)
         if entry is not None:
             return self._grant(entry, tenant)
-        if len(self.waiting) >= self.max_queue:
+        # The bound is for arrivals: a generation admitted already (moving off a failed worker, or refused by a
+        # worker at its limit) waits whatever the queue's length; there are never more of them than run.
+        if level < FAILOVER and len(self.waiting) >= self.max_queue:
             hint = self._retry_hint_ms()
             raise ResourceExhausted(
                 f"admission queue is full ({len(self.waiting)} waiting); retry in about {hint} ms",

@@ -39,7 +39,7 @@ from tokenmesh.router._config import RouterConfig
 from tokenmesh.router._link import LinkSessions
 from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._observe import Observation, generation_span
-from tokenmesh.router._outcome import WorkerFailed, outcome
+from tokenmesh.router._outcome import AT_LIMIT, WorkerFailed, outcome
 from tokenmesh.router._pool import WorkerEntry, WorkerPool, prefix_key
 from tokenmesh.router._quotas import Grant, Quotas
 from tokenmesh.router._relay import Live, Progress, Relay, chunk, continuation, start_command, stop
@@ -140,7 +140,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if isinstance(context, StreamContext):
             context.began(request_id, live)  # a GenerateStream stream: its cancel command is a Cancel of request_id
         progress = Progress()
-        attempts = 0
+        attempts, requeued = 0, False  # attempts on workers that failed; whether a worker at its limit refused one
         try:
             while True:
                 forward = continuation(base, progress)
@@ -149,7 +149,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     yield self._final_here(base, progress, inference_pb2.FINISH_REASON_LENGTH, observe)
                     return
                 try:
-                    entry = await self._slot(base, tenant, key, context, live, observe, progress, attempts)
+                    entry = await self._slot(base, tenant, key, context, live, observe, progress, attempts, requeued)
                 except Cancelled:
                     # Cancelled before a worker took it (queued, or between two workers): it ends
                     # as a cancelled generation on a worker does, with a final CANCELLED chunk.
@@ -174,7 +174,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             yield piece
                     return
                 except WorkerFailed as failure:
-                    self._fail_over(entry, failure, request_id, progress, attempts, observe)
+                    attempts, requeued = self._attempt_failed(entry, failure, request_id, progress, attempts, observe)
                 finally:
                     self._admission.release(entry, tenant)
         except MeshError as error:
@@ -250,20 +250,42 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         observe: Observation,
         progress: Progress,
         attempts: int,
+        requeued: bool,
     ) -> WorkerEntry:
         """A worker slot for the next attempt (Cancelled once the generation is cancelled while it waits).
 
         Workers that just failed are avoided (suspended) for a while. The first
         attempt fails fast when no worker is live at all and queues when all
-        are busy; a failover waits, ahead of the queue.
+        are busy; a failover, and a start a worker refused at its limit (requeued), wait ahead of the queue.
         """
         waited = time.monotonic()
-        entry = await self._acquire(base.model, base, tenant, key, context, live.cancelled, failover=attempts > 0)
-        if attempts == 0:
+        failover = attempts > 0 or requeued
+        entry = await self._acquire(base.model, base, tenant, key, context, live.cancelled, failover=failover)
+        if not failover:
             queued_s = time.monotonic() - waited
             progress.timing.queue_ms = queued_s * 1000
             observe.queued(queued_s, base.priority)
         return entry
+
+    def _attempt_failed(
+        self,
+        entry: WorkerEntry,
+        failure: WorkerFailed,
+        request_id: str,
+        progress: Progress,
+        attempts: int,
+        observe: Observation,
+    ) -> tuple[int, bool]:
+        """Take stock of an attempt that did not end; the attempts that count, and whether it was refused.
+
+        A worker at its limit is busy, not failed: that attempt does not count, and the generation waits again,
+        ahead of the queue (:meth:`_refused`); any other failure fails over (:meth:`_fail_over`).
+        """
+        if failure.kind == AT_LIMIT:
+            self._refused(entry, request_id)
+            return attempts - 1, True
+        self._fail_over(entry, failure, request_id, progress, attempts, observe)
+        return attempts, False
 
     def _fail_over(
         self,
@@ -298,6 +320,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             progress.seq,
             failure,
         )
+
+    def _refused(self, entry: WorkerEntry, request_id: str) -> None:
+        """Take stock of a start the worker refused at its limit (another router fills it too); it waits again.
+
+        The worker is not suspended (it is busy, not failing: avoiding it would leave its free slots idle once
+        the other routers' generations end); this router sends it no more than what it runs there now, for a while.
+        """
+        self._pool.refused(entry)
+        self.metrics.worker_refusals.labels(entry.address).inc()
+        log.info("worker %s is at its limit; %s waits for a slot again", entry.address, request_id)
 
     @staticmethod
     def _final_here(

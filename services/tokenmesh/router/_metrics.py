@@ -105,6 +105,12 @@ class RouterMetrics:
             ["worker", "reason"],
             registry=r,
         )
+        self.worker_refusals = Counter(
+            "tokenmesh_router_worker_refusals_total",
+            "Starts a worker refused at its limit (other routers fill it too): each waited again for a slot here",
+            ["worker"],
+            registry=r,
+        )
         self.stream_messages = Counter(
             "tokenmesh_router_stream_messages_total",
             "StreamEvents messages sent on GenerateStream calls (chunks per message: stream_chunks_total over this)",

@@ -25,13 +25,20 @@ stream is not moved to another worker (any other status says the worker failed).
 once the worker has sent an event: then it says the caller reads too slowly (see :func:`outcome`)."""
 
 
+AT_LIMIT = "at_limit"
+"""The kind of a start the worker refused because it runs as many generations as it accepts (WORKER_AT_LIMIT):
+busy, not failed. Several routers each send a worker up to its whole limit; the one refused waits again for a
+slot, ahead of its queue, and sends that worker less for a while (:meth:`~tokenmesh.router._pool.WorkerPool.refused`).
+It is no failover: the worker is not avoided and the attempt does not count toward --max-migrations."""
+
+
 class WorkerFailed(Exception):
     """The worker could not run the generation; another worker may.
 
     Args:
         message: what happened, for logs and the caller's error.
         kind: which failure, from a small fixed set (a metric label): ``closed``, ``seq_gap``, ``stall``, ``slow`` (one
-            generation silent on a worker that sends others'), a
+            generation silent on a worker that sends others'), ``at_limit`` (:data:`AT_LIMIT`: refused, busy), a
             status code's name (``unavailable``...) or the worker's error class (``backend``, ``out_of_memory``...).
 
     """
@@ -70,4 +77,6 @@ def outcome(
     # after it, the caller reading too slowly (the worker's replay buffer overflowed).
     if code in CALLER_CODES or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and received):
         return from_rpc_error(ended)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and from_rpc_error(ended).reason == "WORKER_AT_LIMIT":
+        return WorkerFailed(f"{code.name}: {ended.details()}", AT_LIMIT)
     return WorkerFailed(f"{code.name}: {ended.details()}", label(code))

@@ -54,6 +54,11 @@ class WorkerEntry:
     suspended_reason: str = ""
     suspension_end: asyncio.TimerHandle | None = field(default=None, repr=False)
     """Ends the suspension on time and tells the pool's listeners (a waiter may take the worker then)."""
+    ceiling: int | None = None
+    """This router's allowance on the worker while lowered after the worker refused a start (at its limit: other
+    routers fill it too): what it had running there then, growing a step per CEILING_GROWTH_S; None: not lowered."""
+    ceiling_growth: asyncio.TimerHandle | None = field(default=None, repr=False)
+    """Raises the ceiling a step on time and tells the pool's listeners (a waiter may take the slot then)."""
     gone: str = ""
     """Why discovery no longer lists the worker ('' while it does): it gets no new work, and is dropped once
     its streams ended."""
@@ -63,6 +68,12 @@ POLICIES = ("prefix", "least-loaded", "round-robin")
 """Worker selection policies (see WorkerPool.pick)."""
 LOAD_BOUND = 1.25
 """Prefix policy: a worker above this multiple of the average load is skipped for its prefixes."""
+CEILING_GROWTH_S = 1.0
+"""After a worker refused a start, this router's allowance there grows back one step per this many seconds
+(additive increase: a full worker shared by several routers sees a few refused starts a second, not one per start)."""
+CEILING_STEPS = 8
+"""Steps from an allowance of 0 back to the whole share: a step is 1/8 of the share (at least 1), so a 64-slot
+worker left to this router is used fully again within 8 s, and an 8-slot one grows by one a second."""
 PREFIX_CHARS_PER_SLOT = 2048
 """Prefix policy: each this many characters of shared prefix (~512 tokens of prefill) buy one extra generation."""
 
@@ -169,8 +180,9 @@ class WorkerPool:
 
     def drop(self, entry: WorkerEntry) -> None:
         """Forget a worker that was let go."""
-        if entry.suspension_end is not None:
-            entry.suspension_end.cancel()
+        for timer in (entry.suspension_end, entry.ceiling_growth):
+            if timer is not None:
+                timer.cancel()
         self.entries.pop(entry.address, None)
 
     def effective_weight(self, entry: WorkerEntry) -> float:
@@ -207,6 +219,38 @@ class WorkerPool:
         except RuntimeError:  # outside a loop (a test of the pick) nothing can be waiting for the worker
             return
         entry.suspension_end = loop.call_later(seconds, self._end_suspension, entry)
+
+    def refused(self, entry: WorkerEntry) -> None:
+        """The worker refused a start, at its limit: send it no more than this router runs there now, for a while.
+
+        Called while the refused attempt still holds its slot (so one less than ``in_flight``). Several routers each
+        take a worker's whole limit as their allowance (a caller pins to one router, so an equal split would idle
+        what a quiet router leaves); the one that finds the worker full lowers its own allowance to what fit, and
+        grows it back one step (CEILING_STEPS) per CEILING_GROWTH_S (:meth:`_grow`), up to its share of the limit.
+        """
+        entry.ceiling = max(0, entry.in_flight - 1)
+        if entry.ceiling_growth is None:
+            self._schedule_growth(entry)
+
+    def _schedule_growth(self, entry: WorkerEntry) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside a loop (a test of the pick): grown by calling _grow
+            return
+        entry.ceiling_growth = loop.call_later(CEILING_GROWTH_S, self._grow, entry)
+
+    def _grow(self, entry: WorkerEntry) -> None:
+        """A step more generations may go to the worker (the ceiling is lifted once back at the share of the limit)."""
+        entry.ceiling_growth = None
+        if entry.ceiling is None:
+            return
+        share = self.share_of_limit(entry)
+        entry.ceiling += max(1, share // CEILING_STEPS)
+        if entry.ceiling >= share:
+            entry.ceiling = None
+        else:
+            self._schedule_growth(entry)
+        self._changed()
 
     def _end_suspension(self, entry: WorkerEntry) -> None:
         entry.suspension_end = None
@@ -296,7 +340,15 @@ class WorkerPool:
             )
 
     def allowance(self, entry: WorkerEntry) -> int:
-        """Generations this router process may have open on the worker: its share of the limit.
+        """Generations this router process may have open on the worker: its share of the limit, or its ceiling.
+
+        The ceiling is lower while the worker recently refused a start (:meth:`refused`).
+        """
+        share = self.share_of_limit(entry)
+        return share if entry.ceiling is None else min(share, entry.ceiling)
+
+    def share_of_limit(self, entry: WorkerEntry) -> int:
+        """The share of the worker's concurrency limit that falls to this router process.
 
         The shares of N processes add up to the limit exactly (1 while the
         limit is unknown); a process whose share is 0 leaves the worker to the others.

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tokenmesh.errors import InvalidArgument, MeshError, NotFound, Unavailable
+from tokenmesh.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable, rpc_error
 from tokenmesh.router._inference import _not_moved
-from tokenmesh.router._outcome import WorkerFailed, outcome
+from tokenmesh.router._outcome import AT_LIMIT, WorkerFailed, outcome
 from tokenmesh.v1 import worker_pb2
 
 
@@ -67,11 +67,20 @@ def test_a_status_about_the_request_is_the_callers_before_and_after_output(
     assert isinstance(ended, MeshError) and ended.grpc_code == code and ended.message == "no such model"
 
 
-def test_resource_exhausted_is_the_worker_at_its_limit_before_output_and_a_slow_caller_after() -> None:
-    before = outcome(status(grpc.StatusCode.RESOURCE_EXHAUSTED, "at its limit"), "w:1", received=False)
-    assert isinstance(before, WorkerFailed) and before.kind == "resource_exhausted"
+def test_worker_at_limit_before_output_is_busy_not_failed_and_resource_exhausted_after_is_a_slow_caller() -> None:
+    at_limit = rpc_error(ResourceExhausted("worker is at its limit of 8", reason="WORKER_AT_LIMIT").status())
+    before = outcome(at_limit, "w:1", received=False)
+    assert isinstance(before, WorkerFailed) and before.kind == AT_LIMIT
     after = outcome(status(grpc.StatusCode.RESOURCE_EXHAUSTED, "replay buffer full"), "w:1", received=True)
     assert isinstance(after, MeshError) and after.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_resource_exhausted_before_output_without_the_workers_reason_is_a_failure() -> None:
+    # gRPC's own RESOURCE_EXHAUSTED (a message over the size limit, a stream limit) is no worker at its limit.
+    before = outcome(
+        status(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max"), "w:1", received=False
+    )
+    assert isinstance(before, WorkerFailed) and before.kind == "resource_exhausted"
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED])
