@@ -74,6 +74,8 @@ def test_a_messages_body_becomes_the_mesh_request() -> None:
     assert request.HasField("temperature") and not request.HasField("top_p")
     assert dict(request.labels) == {"user": "u1"}
     assert parse({"messages": USER, "max_tokens": 1}, default_model="d").request.model == "d"
+    assert not request.ignore_eos
+    assert parse({"messages": USER, "max_tokens": 1, "ignore_eos": True}).request.ignore_eos  # the OpenAI routes' too
 
 
 @pytest.mark.parametrize(
@@ -85,6 +87,7 @@ def test_a_messages_body_becomes_the_mesh_request() -> None:
         ({"system": [{"type": "image"}]}, "system[0]"),
         ({"stream": "yes"}, "stream"),
         ({"stop_sequences": "END"}, "stop_sequences"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
         (
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "citations": [{}]}]}]},
             "messages[0].content[0].citations",
