@@ -3,22 +3,29 @@
 Starts the embedded mesh on the synthetic Triton model (--tokens-per-s per
 stream, default 1,000, in --responses-per-s messages, default 200: 5 tokens
 each) with its gateway, then runs --blocks blocks per path, alternating which
-goes first (ABBA), closed loop at --concurrency, the same prompts on both
-paths: ``tokenmesh bench``'s OpenAI target through the gateway
-(``/v1/completions``, streamed, parsed as SSE) and its mesh target
-(``tokenmesh.client`` over gRPC to the router). Offered load = concurrency x
+goes first (each block starts one path later, every other block backwards),
+closed loop at --concurrency, the same prompts on every path: ``tokenmesh
+bench``'s OpenAI target through the gateway, once per API of --api
+(``completions`` by default; ``chat``, ``responses``, ``messages``: the same
+stream as chat completions, OpenAI's Responses or Anthropic's Messages, all
+parsed as SSE the same way; no ``continuous_usage_stats``, which only chat
+and completions have, so every API's events are as plain as an SDK's) and its
+mesh target (``tokenmesh.client`` over gRPC to the router). Offered load = concurrency x
 tokens-per-s (default 8 x 1,000 = 8k tokens/s). --steps shared (the
 default) puts every stream's responses on one step clock, as a batched
 engine's decode steps do; --steps per-stream keeps each stream on the phase
 of its own start (the worst case for a relay: one wake-up per message).
 
-Prints per block and as the median [min..max] over blocks: the TTFT p50 and
-p99 the gateway path adds over the gRPC path, and the gateway process's CPU
-per token (user + system from /proc over its blocks, divided by the tokens it
-relayed). Targets (issue 13): <= 2 ms TTFT p50 added, <= 30 us CPU per token.
+Prints per API, as the median [min..max] over blocks: the TTFT p50 and p99
+that API's path adds over the gRPC path of the same block, and the gateway
+process's CPU per token (user + system from /proc over its blocks, divided by
+the tokens it relayed); with chat among several APIs, each other API's figures
+over chat's. Targets: <= 2 ms TTFT p50 added, <= 30 us CPU per token (issue
+13); Responses and Messages within 10% of chat completions (issue 24).
 
     .venv/bin/python benchmarks/gateway.py
     .venv/bin/python benchmarks/gateway.py --concurrency 5 --steps per-stream
+    .venv/bin/python benchmarks/gateway.py --api chat,responses,messages --blocks 2
     GRPC_EXPERIMENTS= .venv/bin/python benchmarks/gateway.py   # the services on gRPC's own defaults
 """
 
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import math
 import os
 import statistics
 import tempfile
@@ -37,8 +45,9 @@ from typing import Any
 import psutil
 from common import cpu_seconds, running_mesh, synthetic_repository
 
+from tokenmesh.bench.apis import APIS
 from tokenmesh.bench.metrics import RequestResult, summarize
-from tokenmesh.bench.prompts import synthetic
+from tokenmesh.bench.prompts import Prompt, synthetic
 from tokenmesh.bench.runner import Load, drive
 from tokenmesh.bench.targets import MeshTarget, OpenAITarget, Target
 from tokenmesh.mesh import MeshConfig
@@ -59,33 +68,44 @@ def figures(results: list[RequestResult]) -> dict[str, Any]:
 async def measure(
     router: str, url: str, pids: dict[str, int], args: argparse.Namespace
 ) -> dict[str, list[dict[str, Any]]]:
-    """Blocks per path, alternated; each block's figures with the CPU seconds of the gateway and router."""
-    grpc_path = MeshTarget(router, ignore_eos=True)
-    http_path = OpenAITarget(url, ignore_eos=True)
-    for target in (grpc_path, http_path):
+    """Blocks of every path, alternated; each block's figures with the CPU seconds of the gateway and router."""
+    # No continuous_usage_stats: chat's and completions' events as plain as the others' (and as SDKs ask for them).
+    paths: dict[str, Target] = {
+        api: OpenAITarget(url, api=api, ignore_eos=True, usage_per_event=False) for api in args.apis
+    }
+    paths["gRPC"] = MeshTarget(router, ignore_eos=True)
+    for target in paths.values():
         await target.open()
-    paths: tuple[Target, Target] = (http_path, grpc_path)
-    found: dict[str, list[dict[str, Any]]] = {t.name: [] for t in paths}
+    found: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
     try:
-        for target in paths:  # warm both paths (connections, channels, the engines' first requests)
+        for target in paths.values():  # warm every path (connections, channels, the engines' first requests)
             await drive(target, synthetic(2 * args.concurrency, 16, args.tokens, seed=9), Load(concurrency=8))
+        names = list(paths)
         for block in range(args.blocks):
             prompts = synthetic(args.requests, 16, args.tokens, seed=100 + block)
-            for target in paths if block % 2 == 0 else paths[::-1]:
-                before = {name: cpu_seconds([pid]) for name, pid in pids.items()}
-                machine, began = psutil.cpu_times(), time.monotonic()
-                results = await drive(target, prompts, Load(concurrency=args.concurrency))
-                block_figures = figures(results)
-                for name, pid in pids.items():
-                    block_figures[f"{name}_cpu_s"] = cpu_seconds([pid]) - before[name]
-                idle = psutil.cpu_times().idle - machine.idle
-                block_figures["busy"] = 1 - idle / ((time.monotonic() - began) * (psutil.cpu_count() or 1))
-                found[target.name].append(block_figures)
+            turn = names[block % len(names) :] + names[: block % len(names)]
+            for name in turn if block % 2 == 0 else turn[::-1]:
+                found[name].append(await _block(paths[name], prompts, pids, args))
             print(f"  block {block + 1}/{args.blocks} done", flush=True)
     finally:
-        for target in paths:
+        for target in paths.values():
             await target.close()
     return found
+
+
+async def _block(
+    target: Target, prompts: list[Prompt], pids: dict[str, int], args: argparse.Namespace
+) -> dict[str, Any]:
+    """One block of prompts on one path: its figures, each process's CPU seconds, the machine's busy share."""
+    before = {name: cpu_seconds([pid]) for name, pid in pids.items()}
+    machine, began = psutil.cpu_times(), time.monotonic()
+    results = await drive(target, prompts, Load(concurrency=args.concurrency))
+    block_figures = figures(results)
+    for name, pid in pids.items():
+        block_figures[f"{name}_cpu_s"] = cpu_seconds([pid]) - before[name]
+    idle = psutil.cpu_times().idle - machine.idle
+    block_figures["busy"] = 1 - idle / ((time.monotonic() - began) * (psutil.cpu_count() or 1))
+    return block_figures
 
 
 def spread(values: list[float]) -> str:
@@ -94,9 +114,8 @@ def spread(values: list[float]) -> str:
 
 
 def report(found: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
-    """Print the comparison."""
-    http, direct = found["openai"], found["mesh"]
-    pairs = list(zip(http, direct, strict=True))
+    """Print the comparison: each API's path against the gRPC path, then against chat completions."""
+    direct = found["gRPC"]
     print(
         f"\nsynthetic engine: {args.tokens_per_s:g} tokens/s per stream in {args.responses_per_s:g} messages/s "
         f"({'one step clock for all streams' if args.steps == 'shared' else 'each stream on its own phase'}), "
@@ -104,36 +123,59 @@ def report(found: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> 
         f"({args.concurrency * args.tokens_per_s:,.0f} tokens/s offered); {args.blocks} blocks of "
         f"{args.requests} requests per path, alternated"
     )
-    print(f"{'':34} {'gateway':>10} {'gRPC':>10}   (median over blocks)")
+    print(f"{'':34} " + " ".join(f"{name:>12}" for name in found) + "   (median over blocks)")
     for label, key in (
         ("TTFT p50 (ms)", "ttft_p50"),
         ("TTFT p99 (ms)", "ttft_p99"),
         ("output tokens/s", "tokens_per_s"),
     ):
         print(
-            f"{label:34} {statistics.median(h[key] for h in http):10.3f} "
-            f"{statistics.median(d[key] for d in direct):10.3f}"
+            f"{label:34} " + " ".join(f"{statistics.median(b[key] for b in blocks):12.3f}" for blocks in found.values())
         )
-    print("median [min..max] over blocks:")
-    rows = {
+    added = {api: _added(found[api], direct) for api in args.apis}
+    for api in args.apis:
+        print(f"{api} through the gateway, median [min..max] over blocks:")
+        for label, values in added[api].items():
+            print(f"  {label:32} {spread(values)}")
+    for label, values in (
+        ("router CPU per token, gRPC (us)", [d["router_cpu_s"] / d["tokens"] * 1e6 for d in direct]),
+        ("client CPU per token, gRPC (us)", [d["client_cpu_s"] / d["tokens"] * 1e6 for d in direct]),
+        ("machine CPU busy, gRPC (%)", [100 * d["busy"] for d in direct]),
+    ):
+        print(f"{label:34} {spread(values)}")
+    if "chat" in added and len(args.apis) > 1:
+        print("over chat completions (the medians above; issue 24's bound: within 10% of chat's):")
+        for api in (a for a in args.apis if a != "chat"):
+            for label in ("TTFT p50 added by gateway (ms)", "gateway CPU per token (us)"):
+                mine, chat = statistics.median(added[api][label]), statistics.median(added["chat"][label])
+                print(f"  {api + ', ' + label:48} {mine - chat:+8.3f} ({mine / chat if chat else math.nan:.3f}x)")
+    for name, blocks in found.items():
+        errors: collections.Counter[str] = collections.Counter()
+        for block in blocks:
+            errors.update(block["errors"])
+        print(f"{'errors, ' + name:34} {sum(errors.values())} {dict(errors) or ''}")
+
+
+def _added(http: list[dict[str, Any]], direct: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """One API's path over the gRPC path, block by block (the blocks ran side by side)."""
+    pairs = list(zip(http, direct, strict=True))
+    return {
         "TTFT p50 added by gateway (ms)": [h["ttft_p50"] - d["ttft_p50"] for h, d in pairs],
         "TTFT p99 added by gateway (ms)": [h["ttft_p99"] - d["ttft_p99"] for h, d in pairs],
         "gateway CPU per token (us)": [h["gateway_cpu_s"] / h["tokens"] * 1e6 for h in http],
         "gateway CPU, % of a core": [100 * h["gateway_cpu_s"] / (h["tokens"] / h["tokens_per_s"]) for h in http],
-        "router CPU per token, HTTP (us)": [h["router_cpu_s"] / h["tokens"] * 1e6 for h in http],
-        "router CPU per token, gRPC (us)": [d["router_cpu_s"] / d["tokens"] * 1e6 for d in direct],
-        "client CPU per token, HTTP (us)": [h["client_cpu_s"] / h["tokens"] * 1e6 for h in http],
-        "client CPU per token, gRPC (us)": [d["client_cpu_s"] / d["tokens"] * 1e6 for d in direct],
-        "machine CPU busy, HTTP (%)": [100 * h["busy"] for h in http],
-        "machine CPU busy, gRPC (%)": [100 * d["busy"] for d in direct],
+        "router CPU per token (us)": [h["router_cpu_s"] / h["tokens"] * 1e6 for h in http],
+        "client CPU per token (us)": [h["client_cpu_s"] / h["tokens"] * 1e6 for h in http],
+        "machine CPU busy (%)": [100 * h["busy"] for h in http],
     }
-    for label, values in rows.items():
-        print(f"{label:34} {spread(values)}")
-    for label, blocks in (("errors, gateway", http), ("errors, gRPC", direct)):
-        errors: collections.Counter[str] = collections.Counter()
-        for block in blocks:
-            errors.update(block["errors"])
-        print(f"{label:34} {sum(errors.values())} {dict(errors) or ''}")
+
+
+def _apis(value: str) -> tuple[str, ...]:
+    apis = tuple(dict.fromkeys(a.strip() for a in value.split(",") if a.strip()))
+    unknown = [a for a in apis if a not in APIS]
+    if not apis or unknown:
+        raise argparse.ArgumentTypeError(f"{value!r}: name one or more of {', '.join(APIS)}")
+    return apis
 
 
 def main() -> None:
@@ -150,6 +192,14 @@ def main() -> None:
         help="engine messages per second per stream (default 200: 5 tokens each)",
     )
     parser.add_argument("--workers", type=int, default=2, help="workers, each with its own Triton (default 2)")
+    parser.add_argument(
+        "--api",
+        dest="apis",
+        type=_apis,
+        default=("completions",),
+        help="the gateway's APIs to measure, comma-separated, each a path of its own in every block: "
+        f"{', '.join(APIS)} (default completions)",
+    )
     parser.add_argument(
         "--steps",
         choices=("shared", "per-stream"),

@@ -3,8 +3,10 @@
 Taken: ``model``, ``messages`` (user and assistant turns, each a string or
 text blocks), ``system`` (a string or text blocks), ``max_tokens``
 (required, as Anthropic requires it), ``temperature`` (0..1, as Anthropic),
-``top_p``, ``stop_sequences``, ``stream`` and ``metadata.user_id`` (the
-generation's ``user`` label). A field that would change the answer in a way
+``top_p``, ``stop_sequences``, ``stream``, ``metadata.user_id`` (the
+generation's ``user`` label) and ``ignore_eos`` (not Anthropic's: the OpenAI
+routes' extension, so that ``tokenmesh bench`` asks every API for the same
+lengths). A field that would change the answer in a way
 the mesh cannot honour (tools, images and documents, extended thinking,
 ``top_k``, a last assistant turn to continue...) is refused with a 400 naming
 it, never silently dropped; its neutral values (``tools: []``,
@@ -20,7 +22,7 @@ from typing import Any
 
 from tokenmesh.v1 import inference_pb2
 from tokenmesh_gateway._errors import invalid
-from tokenmesh_gateway._fields import UINT32_MAX, is_neutral, number, short, string, type_name
+from tokenmesh_gateway._fields import UINT32_MAX, boolean, is_neutral, number, short, string, type_name
 
 ROLES = ("user", "assistant")
 """The roles of Anthropic's messages (the system prompt is the top-level ``system``)."""
@@ -61,6 +63,7 @@ def parse(body: dict[str, Any], default_model: str = "") -> MessagesRequest:
     _messages(body, request)
     request.max_tokens = _max_tokens(body)
     _sampling(body, request)
+    request.ignore_eos = boolean(body, "ignore_eos")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise invalid(f"stream must be true or false, got {short(stream)}", "stream")

@@ -82,6 +82,22 @@ def message_id(request_id: str) -> str:
     return "msg_" + request_id
 
 
+def usage(counts: inference_pb2.Usage) -> dict[str, int]:
+    """Anthropic's usage of a finished generation: ``input_tokens`` are the prompt's tokens read from no cache.
+
+    Anthropic counts a prompt's tokens in three parts that add up to it: ``input_tokens`` (computed),
+    ``cache_read_input_tokens`` (reused from its cache) and ``cache_creation_input_tokens`` (written to a cache
+    at a ``cache_control`` breakpoint). The mesh's engine caches every prompt by itself, with no breakpoints, and
+    says only what it reused: the third part is left out (no such figure), never reported as a guess.
+    """
+    cached = min(counts.cached_prompt_tokens, counts.prompt_tokens)
+    return {
+        "input_tokens": counts.prompt_tokens - cached,
+        "cache_read_input_tokens": cached,
+        "output_tokens": counts.completion_tokens,
+    }
+
+
 def _cancelled(request_id: str) -> HttpError:
     return HttpError(499, f"generation {request_id} was cancelled (Cancel with its request id)", code="cancelled")
 
@@ -121,7 +137,7 @@ class MessagesAnswer:
                 "model": last.model or self.model,
                 "stop_reason": reason,
                 "stop_sequence": None,
-                "usage": {"input_tokens": last.usage.prompt_tokens, "output_tokens": last.usage.completion_tokens},
+                "usage": usage(last.usage),
             }
         )
 
@@ -191,14 +207,17 @@ class MessagesEncoder:
         reason = STOP_REASONS.get(chunk.finish_reason)
         if reason is None:
             return head + _event(b"error", ANTHROPIC_ERRORS.body(_cancelled(self.request_id)))
-        usage = {"input_tokens": chunk.usage.prompt_tokens, "output_tokens": chunk.usage.completion_tokens}
         return (
             head
             + _event(b"content_block_stop", b'{"type":"content_block_stop","index":0}')
             + _event(
                 b"message_delta",
                 orjson.dumps(
-                    {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None}, "usage": usage}
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": reason, "stop_sequence": None},
+                        "usage": usage(chunk.usage),
+                    }
                 ),
             )
             + self._id_line

@@ -99,7 +99,7 @@ def response_object(head: Head, outcome: Outcome) -> dict[str, Any]:
         prompt, completion = final.usage.prompt_tokens, final.usage.completion_tokens
         usage = {
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": final.usage.cached_prompt_tokens},
             "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion,

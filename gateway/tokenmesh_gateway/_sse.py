@@ -49,13 +49,29 @@ def response_id(kind: Kind, request_id: str) -> str:
     return _PREFIX[kind] + request_id
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's usage object."""
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` once the prompt is counted (the end).
+
+    Args:
+        prompt_tokens: the prompt's tokens (0 before the end: the mesh counts them when the generation ends).
+        completion_tokens: tokens generated so far.
+        cached_tokens: of prompt_tokens, those the engine reused from its cache; None leaves the details out
+            (a continuous-usage event before the end, where no prompt figure exists yet).
+
+    """
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def whole_usage(counts: inference_pb2.Usage) -> dict[str, Any]:
+    """OpenAI's usage object of a finished generation, from the mesh's."""
+    return usage(counts.prompt_tokens, counts.completion_tokens, counts.cached_prompt_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +110,7 @@ class OpenAIAnswer:
             last.model or self.model,
             text,
             last.finish_reason,
-            last.usage.prompt_tokens,
-            last.usage.completion_tokens,
+            last.usage,
         )
 
     def error_event(self, error: HttpError) -> bytes:
@@ -182,16 +197,15 @@ class Encoder:
         self._first = False
         tail = b""
         if self.continuous_usage:
-            prompt = chunk.usage.prompt_tokens if final else 0
-            tail = b',"usage":' + orjson.dumps(usage(prompt, self.completion_tokens))
+            counts = chunk.usage
+            if final:
+                so_far = usage(counts.prompt_tokens, self.completion_tokens, counts.cached_prompt_tokens)
+            else:
+                so_far = usage(0, self.completion_tokens)
+            tail = b',"usage":' + orjson.dumps(so_far)
         event = self._head + b',"choices":[' + choice + b"]" + tail + b"}\n"
         if final and self.include_usage:
-            last = (
-                self._head
-                + b',"choices":[],"usage":'
-                + orjson.dumps(usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
-                + b"}\n"
-            )
+            last = self._head + b',"choices":[],"usage":' + orjson.dumps(whole_usage(chunk.usage)) + b"}\n"
             return event + b"\n" + self._id(chunk.seq) + last + b"\n"
         return self._id(chunk.seq) + event + b"\n"
 
@@ -215,8 +229,7 @@ def completion_body(
     model: str,
     text: str,
     finish_reason: int,
-    prompt_tokens: int,
-    completion_tokens: int,
+    counts: inference_pb2.Usage,
 ) -> bytes:
     """The non-streamed response: ``chat.completion`` or ``text_completion`` with its usage."""
     reason = FINISH_REASONS.get(finish_reason, "stop")
@@ -237,6 +250,6 @@ def completion_body(
             "created": created,
             "model": model,
             "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": whole_usage(counts),
         }
     )

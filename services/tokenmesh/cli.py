@@ -349,8 +349,10 @@ async def _generate(args: argparse.Namespace) -> int:
                 print(f"\n[seq {chunk.seq} tokens {chunk.token_count}]", file=sys.stderr)
             if chunk.finish_reason:
                 reason = inference_pb2.FinishReason.Name(chunk.finish_reason)
+                cached = chunk.usage.cached_prompt_tokens
                 print(
-                    f"\n[{reason}; prompt {chunk.usage.prompt_tokens} tokens, "
+                    f"\n[{reason}; prompt {chunk.usage.prompt_tokens} tokens"
+                    f"{f' ({cached} cached)' if cached else ''}, "
                     f"completion {chunk.usage.completion_tokens} tokens; request_id {chunk.request_id}]",
                     file=sys.stderr,
                 )

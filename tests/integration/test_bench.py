@@ -6,15 +6,16 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
-from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
+from tokenmesh.worker.triton import SHIPPED_REPOSITORIES, synthetic_repository
 
-from .conftest import MeshHandle
+from .conftest import MeshHandle, running_mesh
 
 pytestmark = pytest.mark.integration
 
@@ -116,3 +117,35 @@ def test_synthetic_model_streams_placeholder_tokens_at_its_rate(mesh: MeshHandle
     finally:
         child.proc.terminate()
         child.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def synthetic_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshHandle]:
+    """One worker on the synthetic model (a real Triton), with the gateway."""
+    tmp = tmp_path_factory.mktemp("bench-synthetic")
+    repository = synthetic_repository(tmp, tokens_per_s=1000)
+    with running_mesh(tmp, workers=1, model_repository=str(repository), gateway_port=0) as handle:
+        yield handle
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses", "messages"])
+def test_bench_measures_each_api_through_the_gateway(synthetic_mesh: MeshHandle, api: str, tmp_path: Path) -> None:
+    assert synthetic_mesh.mesh.gateway is not None
+    report = tmp_path / "report.json"
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "tokenmesh", "bench", "--progress", "off", "--json", str(report)),
+            *("--target", "openai", "--url", str(synthetic_mesh.mesh.gateway.info["url"]), "--api", api),
+            *("--requests", "16", "--concurrency", "4", "--warmup", "1", "--output-tokens", "40"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(report.read_text())["summaries"]["openai"]
+    assert (summary["successful"], summary["output_tokens"], summary["interruption_rate"]) == (16, 16 * 40, 0.0)
+    # The synthetic engine: 40 tokens at 1,000 tokens/s per stream, 5 per response: ~8 text events 5 ms apart.
+    assert 0 < summary["ttft_s"]["p50"] < summary["e2e_s"]["p50"] < 1.0
+    assert 0.001 < summary["itl_s"]["p50"] < 0.05
+    assert "output tokens/s" in out.stdout

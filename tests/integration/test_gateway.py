@@ -11,8 +11,10 @@ import asyncio
 import os
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import grpc
@@ -111,7 +113,84 @@ def test_the_anthropic_sdk_streams_paris_with_usage_through_the_gateway(mesh: Me
     whole = client.messages.create(model="smollm2", max_tokens=48, messages=question, extra_body={"temperature": 0})
     assert [block.type for block in whole.content] == ["text"] and "Paris" in getattr(whole.content[0], "text", "")
     assert whole.stop_reason == "end_turn" and whole.id.startswith("msg_")
-    assert whole.usage.input_tokens == final.usage.input_tokens and whole.usage.output_tokens > 0  # the same prompt
+
+    # The same prompt: the same count, of which llama.cpp now reads more from its cache (Anthropic's input_tokens
+    # are the tokens read from no cache).
+    def prompt_of(usage: anthropic.types.Usage) -> int:
+        return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+    assert prompt_of(whole.usage) == prompt_of(final.usage) and whole.usage.output_tokens > 0
+
+
+def long_prompt(tag: str) -> str:
+    """About 250 tokens (1,100+ characters) starting with tag: a prompt no earlier request shares a prefix with.
+
+    Long enough for the router's prefix rule to send it to the same worker each time (a raw prompt of 1,024+
+    characters; a chat's system prompt of 256+), whose llama.cpp slot still holds it the second time.
+    """
+    return f"{tag} " + " ".join(["The history of the world is long and full of stories about people and places."] * 14)
+
+
+def test_a_repeated_long_prompt_reports_its_cached_tokens_the_second_time_through_grpc(mesh: MeshHandle) -> None:
+    request = inference_pb2.GenerateRequest(
+        model="smollm2", prompt=long_prompt(f"grpc-{uuid.uuid4().hex}"), max_tokens=2, temperature=0
+    )
+    first, second = (list(mesh.inference.Generate(request, timeout=60))[-1].usage for _ in range(2))
+    assert first.prompt_tokens == second.prompt_tokens > 200
+    assert first.cached_prompt_tokens == 0
+    # All of it but what llama.cpp computes again to start generating (the prompt's last token).
+    assert second.prompt_tokens - 2 <= second.cached_prompt_tokens < second.prompt_tokens
+
+
+def test_the_openai_sdk_reads_cached_tokens_in_prompt_tokens_details(mesh: MeshHandle) -> None:
+    client = openai.OpenAI(base_url=url_of(mesh), api_key="x", max_retries=0)
+    prompt = long_prompt(f"completion-{uuid.uuid4().hex}")
+    first, second = (
+        client.completions.create(model="smollm2", prompt=prompt, max_tokens=2, temperature=0).usage for _ in range(2)
+    )
+    assert first is not None and first.prompt_tokens_details is not None
+    assert second is not None and second.prompt_tokens_details is not None
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert second.prompt_tokens - 2 <= (second.prompt_tokens_details.cached_tokens or 0) < second.prompt_tokens
+
+    # Streamed chat: the usage event carries it. A chat's first tokens are the template's own
+    # ("<|im_start|>system"...), which an earlier chat may have left in the slot: a few, never the whole prompt.
+    messages: list[Any] = [
+        {"role": "system", "content": long_prompt(f"chat-{uuid.uuid4().hex}")},
+        {"role": "user", "content": "Summarize."},
+    ]
+    cached = []
+    for _ in range(2):
+        stream = client.chat.completions.create(
+            model="smollm2",
+            messages=messages,
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = [c for c in stream][-1].usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        cached.append((usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens))
+    (first_chat, prompt_tokens), (second_chat, _) = cached
+    assert first_chat is not None and second_chat is not None
+    assert first_chat < 10 and prompt_tokens - 2 <= second_chat < prompt_tokens
+
+
+def test_the_anthropic_sdk_reads_cached_tokens_in_cache_read_input_tokens(mesh: MeshHandle) -> None:
+    client = anthropic.Anthropic(base_url=url_of(mesh).removesuffix("/v1"), api_key="x", max_retries=0)
+    system = long_prompt(f"messages-{uuid.uuid4().hex}")
+    question: list[Any] = [{"role": "user", "content": "Summarize."}]
+    usages = []
+    for _ in range(2):
+        with client.messages.stream(model="smollm2", max_tokens=2, system=system, messages=question) as stream:
+            usages.append(stream.get_final_message().usage)
+    first, second = usages
+    assert first.cache_read_input_tokens is not None and second.cache_read_input_tokens is not None
+    # Anthropic's input_tokens are the tokens read from no cache: the two parts add up to the same prompt.
+    prompt = first.input_tokens + first.cache_read_input_tokens
+    assert second.input_tokens + second.cache_read_input_tokens == prompt > 200
+    assert first.cache_read_input_tokens < 10 and 1 <= second.input_tokens <= 2
 
 
 def test_a_dropped_resumable_stream_continues_with_last_event_id(mesh: MeshHandle) -> None:

@@ -62,7 +62,8 @@ def assert_whole(chunks: list[dict[str, Any]], tokens: int, prompt_tokens: int) 
     assert [c["finish_reason"] for c in chunks[:-1]] == ["FINISH_REASON_UNSPECIFIED"] * (len(chunks) - 1)
     final = chunks[-1]
     assert final["finish_reason"] == "FINISH_REASON_LENGTH"
-    assert final["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": tokens}
+    # The synthetic model reuses no prompt cache (proto-loader's defaults: the 0 is there).
+    assert final["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "cached_prompt_tokens": 0}
     assert sum(c["token_count"] for c in chunks) == tokens
 
 

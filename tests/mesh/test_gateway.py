@@ -162,6 +162,7 @@ async def test_sse_bytes_headers_ids_and_done(mesh: InProcessMesh) -> None:
         "prompt_tokens": 3,
         "completion_tokens": 4,
         "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert {c["id"] for c in chunks} == {"chatcmpl-r-1"} and len({c["created"] for c in chunks}) == 1
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and {c["model"] for c in chunks} == {"fake"}

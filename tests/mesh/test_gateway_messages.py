@@ -124,7 +124,7 @@ async def test_the_stream_sends_anthropics_events_in_order_and_the_sdk_assembles
     assert got[7][1] == {
         "type": "message_delta",
         "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
-        "usage": {"input_tokens": 3, "output_tokens": 3},
+        "usage": {"input_tokens": 3, "cache_read_input_tokens": 0, "output_tokens": 3},
     }
 
 
@@ -168,7 +168,11 @@ async def test_a_dropped_stream_resumes_with_last_event_id_exactly_the_rest() ->
     assert text_of(seen) + text_of(rest.content) == expected_text(30)
     names = [name for name, _ in named_events(rest.content)]
     assert "message_start" not in names and names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
-    assert named_events(rest.content)[-2][1]["usage"] == {"input_tokens": 3, "output_tokens": 30}
+    assert named_events(rest.content)[-2][1]["usage"] == {
+        "input_tokens": 3,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 30,
+    }
 
 
 # -- errors ------------------------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class FakeGeneration(Generation):
                 yield Finished("cancelled", 3, i)
                 return
             yield Delta(f"tok{first + i} ", 1)
-        yield Finished("length", 3 + first, params.max_tokens)
+        yield Finished("length", 3 + first, params.max_tokens, self.backend.cached_prompt_tokens)
 
 
 class FakeBackend(Backend):
@@ -111,6 +111,8 @@ class FakeBackend(Backend):
         self.waiting = 0
         self.queued_total = 0
         self.queue_ns_total = 0
+        self.cached_prompt_tokens = 0
+        """What a finished generation reports as its prompt tokens reused from the engine's cache."""
 
     async def engine_stats(self) -> EngineStats | None:
         if self.engine_slots is None:

@@ -32,7 +32,16 @@ def add_arguments(
         choices=("mesh", "triton", "openai"),
         default="mesh",
         help="mesh: the routers through tokenmesh.client (default); triton: a Triton model directly; "
-        "openai: any OpenAI-compatible endpoint (--url), streamed chat or completions over HTTP",
+        "openai: any OpenAI-compatible endpoint (--url), streamed over HTTP through the --api route",
+    )
+    where.add_argument(
+        "--api",
+        choices=("auto", "chat", "completions", "responses", "messages"),
+        default="auto",
+        help="with --target openai: the route each request streams through, measured the same way for each: "
+        "chat (/chat/completions), completions (/completions), responses (OpenAI's Responses API, /responses), "
+        "messages (Anthropic's Messages API, /messages); auto (default): chat for prompts with messages, "
+        "completions for the others",
     )
     where.add_argument("--addr", default=default_addr, help=f"router host:port (default {default_addr})")
     where.add_argument(
@@ -51,9 +60,7 @@ def add_arguments(
     where.add_argument(
         "--url",
         default="",
-        help="with --target openai: the API's base URL, e.g. http://127.0.0.1:8000/v1 (tokenmesh's "
-        "gateway, vLLM, ...); prompts with messages go to /chat/completions, others to "
-        "/completions",
+        help="with --target openai: the API's base URL, e.g. http://127.0.0.1:8000/v1 (tokenmesh's gateway, vLLM, ...)",
     )
     where.add_argument(
         "--api-key",
@@ -153,6 +160,10 @@ def _check(args: argparse.Namespace) -> dict[str, float]:
         (args.target != "triton" or bool(args.model), "--target triton needs --model NAME"),
         (args.target != "openai" or bool(args.url), "--target openai needs --url http://HOST:PORT/v1"),
         (not (args.compare and args.target == "openai"), "--compare drives the mesh and Triton; drop --target openai"),
+        (
+            args.api == "auto" or args.target == "openai",
+            "--api picks a route of --target openai; add it, or drop --api",
+        ),
     ]
     for ok, message in rules:
         if not ok:
@@ -200,6 +211,8 @@ async def run(args: argparse.Namespace) -> int:
 
     slo = _check(args)
     workload = _prompt_set(args)
+    if args.api == "completions" and any(p.messages for p in workload):
+        raise BenchError("--api completions takes raw prompts; these prompts have messages (use --api chat)")
     warmup, measured = workload[: args.warmup], workload[args.warmup :] or workload
     if not args.duration:
         measured = [measured[i % len(measured)] for i in range(args.requests)]
@@ -231,6 +244,7 @@ async def _open_targets(args: argparse.Namespace, mesh: MeshTarget, targets: lis
         endpoint = OpenAITarget(
             args.url,
             args.model,
+            api=args.api,
             api_key=args.api_key or os.environ.get("OPENAI_API_KEY", ""),
             ignore_eos=not args.allow_eos,
             seed=args.seed,

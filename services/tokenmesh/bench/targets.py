@@ -19,7 +19,8 @@ import tritonclient.grpc.aio as triton_aio
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
-from tokenmesh.bench.http1 import Http1Client, Response
+from tokenmesh.bench import apis
+from tokenmesh.bench.http1 import Http1Client
 from tokenmesh.bench.metrics import RequestResult
 from tokenmesh.bench.prompts import Prompt
 from tokenmesh.client import Client
@@ -283,26 +284,39 @@ class TritonTarget(Target):
 
 
 class OpenAITarget(Target):
-    """An OpenAI-compatible endpoint: streamed ``/chat/completions`` (messages) or ``/completions`` (prompt).
+    """An HTTP endpoint speaking OpenAI's APIs (or Anthropic's Messages): one streamed request per prompt.
 
-    Server-Sent Events are parsed as they arrive, over :mod:`tokenmesh.bench.http1`
-    (a client far cheaper than the servers it measures); TTFT is the first
-    event with text. Each request asks for ``stream_options.include_usage`` (the
-    output tokens) and ``continuous_usage_stats`` (tokens per chunk, where the
-    server reports them, as vLLM and tokenmesh do; otherwise each text event
-    counts one token). ``ignore_eos`` and ``seed`` are sent as the mesh target
-    sends them (vLLM's extension; ``--allow-eos`` leaves ``ignore_eos`` out).
+    ``api`` picks the route (:mod:`tokenmesh.bench.apis`): ``chat``,
+    ``completions``, ``responses`` or ``messages``; ``auto`` sends prompts with
+    messages to chat and raw prompts to completions. Server-Sent Events are
+    parsed as they arrive, over :mod:`tokenmesh.bench.http1` (a client far
+    cheaper than the servers it measures), the same way for every API: TTFT is
+    the first event with text. ``ignore_eos`` and ``seed`` are sent as the mesh
+    target sends them (vLLM's extension; ``--allow-eos`` leaves ``ignore_eos`` out);
+    ``usage_per_event`` asks chat and completions for the tokens of each event.
     """
 
     name = "openai"
 
     def __init__(
-        self, url: str, model: str = "", *, api_key: str = "", ignore_eos: bool = True, seed: int | None = 0
+        self,
+        url: str,
+        model: str = "",
+        *,
+        api: str = "auto",
+        api_key: str = "",
+        ignore_eos: bool = True,
+        seed: int | None = 0,
+        usage_per_event: bool = True,
     ) -> None:
+        if api != "auto" and api not in apis.APIS:
+            raise TargetError(f"unknown API {api!r}: one of auto, {', '.join(apis.APIS)}")
         self.url = url.rstrip("/")
         self.model = model
+        self.api = api
         self.ignore_eos = ignore_eos
         self.seed = seed
+        self.usage_per_event = usage_per_event
         self._api_key = api_key
         self._http: Http1Client | None = None
 
@@ -336,73 +350,25 @@ class OpenAITarget(Target):
     async def run(self, prompt: Prompt, result: RequestResult) -> None:
         """Stream one request, timing each event with text."""
         assert self._http is not None
-        body: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": prompt.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        }
-        if prompt.messages:
-            path = "/chat/completions"
-            body["messages"] = [{"role": r, "content": c} for r, c in prompt.messages]
-        else:
-            path = "/completions"
-            body["prompt"] = prompt.text
-        if self.ignore_eos:
-            body["ignore_eos"] = True
-        if self.seed is not None:
-            body["seed"] = self.seed
+        api = apis.resolve(self.api, prompt)
+        path, body = apis.request(
+            api, prompt, self.model, ignore_eos=self.ignore_eos, seed=self.seed, usage_per_event=self.usage_per_event
+        )
         try:
-            async with self._http.request("POST", path, orjson.dumps(body)) as response:
+            async with self._http.request("POST", path, body) as response:
                 if response.status != 200:
                     result.error, result.ended = _http_error(response.status, await response.read()), time.monotonic()
                     return
-                await self._read(response, result)
+                await apis.read(response, apis.READERS[api](result), time.monotonic)
         except OSError as exc:
             result.error, result.ended = type(exc).__name__.upper(), time.monotonic()
 
-    @staticmethod
-    async def _read(response: Response, result: RequestResult) -> None:
-        buffer = b""
-        counted = 0
-        async for piece in response.pieces():
-            now = time.monotonic()
-            buffer += piece
-            *events, buffer = buffer.split(b"\n\n")
-            for event in events:
-                for line in event.split(b"\n"):
-                    if not line.startswith(b"data:"):
-                        continue  # id, event, comments (keep-alive)
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        result.ended = now
-                        if result.output_tokens == 0:
-                            result.output_tokens = counted
-                        return
-                    item = orjson.loads(data)
-                    if "error" in item:
-                        code = item["error"].get("code") if isinstance(item["error"], dict) else None
-                        result.error, result.ended = str(code or "STREAM_ERROR").upper(), now
-                        return
-                    choices = item.get("choices") or []
-                    text = "".join((c.get("text") or (c.get("delta") or {}).get("content") or "") for c in choices)
-                    usage = item.get("usage")
-                    if choices and text:
-                        tokens = 1
-                        if usage:
-                            tokens = max(0, int(usage.get("completion_tokens", 0)) - counted)
-                        counted += tokens
-                        result.chunk_times.append(now)
-                        result.chunk_tokens.append(tokens)
-                    if usage and not choices:
-                        result.output_tokens = int(usage.get("completion_tokens", 0))
-        result.error, result.ended = "NO_DONE", time.monotonic()
-
 
 def _http_error(status: int, body: bytes) -> str:
-    """The OpenAI error's code in upper case (RESOURCE_EXHAUSTED...), else HTTP_<status>."""
+    """The error's code (OpenAI's) or type (Anthropic's) in upper case (RESOURCE_EXHAUSTED...), else HTTP_<status>."""
     try:
-        code = orjson.loads(body)["error"]["code"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
+        error = orjson.loads(body)["error"]
+        code = error.get("code") or error.get("type")
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         code = None
     return str(code).upper() if isinstance(code, str) and code else f"HTTP_{status}"

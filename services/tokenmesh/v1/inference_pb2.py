@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokenmesh/v1/inference.proto\x12\x0ctokenmesh.v1\x1a\x17google/rpc/status.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb3\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.tokenmesh.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12(\n\x08priority\x18\t \x01(\x0e\x32\x16.tokenmesh.v1.Priority\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x39\n\x06labels\x18\x0b \x03(\x0b\x32).tokenmesh.v1.GenerateRequest.LabelsEntry\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xa2\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x13\n\x0btoken_count\x18\x04 \x01(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmesh.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.tokenmesh.v1.Usage\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\nmigrations\x18\x08 \x01(\r\x12$\n\x06timing\x18\t \x01(\x0b\x32\x14.tokenmesh.v1.Timing\x12-\n\x0brate_limits\x18\n \x01(\x0b\x32\x18.tokenmesh.v1.RateLimits\"\xb8\x02\n\nRateLimits\x12\x1b\n\x0elimit_requests\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x1f\n\x12remaining_requests\x18\x02 \x01(\x04H\x01\x88\x01\x01\x12\x1d\n\x10reset_requests_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0climit_tokens\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1d\n\x10remaining_tokens\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1b\n\x0ereset_tokens_s\x18\x06 \x01(\x01H\x05\x88\x01\x01\x42\x11\n\x0f_limit_requestsB\x15\n\x13_remaining_requestsB\x13\n\x11_reset_requests_sB\x0f\n\r_limit_tokensB\x13\n\x11_remaining_tokensB\x11\n\x0f_reset_tokens_s\"\x8c\x01\n\x06Timing\x12\x15\n\x08queue_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0e\x65ngine_ttft_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0erouter_ttft_ms\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x0b\n\t_queue_msB\x11\n\x0f_engine_ttft_msB\x11\n\x0f_router_ttft_ms\"6\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"a\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x12\n\nis_default\x18\x03 \x01(\x08\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x0c\n\x04\x62\x61se\x18\x05 \x01(\t\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.tokenmesh.v1.ModelInfo\"l\n\x0eStreamCommands\x12-\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x1b.tokenmesh.v1.StreamCommand\x12\x15\n\rcredit_stream\x18\x02 \x03(\x04\x12\x14\n\x0c\x63redit_bytes\x18\x03 \x03(\r\"\xff\x02\n\rStreamCommand\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\x31\n\x08generate\x18\x02 \x01(\x0b\x32\x1d.tokenmesh.v1.GenerateRequestH\x00\x12-\n\x06resume\x18\x03 \x01(\x0b\x32\x1b.tokenmesh.v1.ResumeRequestH\x00\x12,\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x1a.tokenmesh.v1.StreamCancelH\x00\x12,\n\x06\x64\x65tach\x18\x05 \x01(\x0b\x32\x1a.tokenmesh.v1.StreamDetachH\x00\x12\x14\n\x0cwindow_bytes\x18\x06 \x01(\r\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12;\n\x08metadata\x18\x08 \x03(\x0b\x32).tokenmesh.v1.StreamCommand.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"\x0e\n\x0cStreamCancel\"\x0e\n\x0cStreamDetach\"\xa8\x01\n\x0cStreamEvents\x12.\n\x08settings\x18\x01 \x01(\x0b\x32\x1c.tokenmesh.v1.StreamSettings\x12\x14\n\x0c\x63hunk_stream\x18\x02 \x03(\x04\x12+\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x1b.tokenmesh.v1.GenerateChunk\x12%\n\x04\x65nds\x18\x04 \x03(\x0b\x32\x17.tokenmesh.v1.StreamEnd\"?\n\tStreamEnd\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\"\n\x06status\x18\x02 \x01(\x0b\x32\x12.google.rpc.Status\"n\n\x0eStreamSettings\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x1c\n\x14\x64\x65\x66\x61ult_window_bytes\x18\x02 \x01(\r\x12\x17\n\x0fmax_batch_bytes\x18\x03 \x01(\r\x12\x13\n\x0bmax_streams\x18\x04 \x01(\r*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRIORITY_LOW\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x11\n\rPRIORITY_HIGH\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x81\x03\n\tInference\x12H\n\x08Generate\x12\x1d.tokenmesh.v1.GenerateRequest\x1a\x1b.tokenmesh.v1.GenerateChunk0\x01\x12\x44\n\x06Resume\x12\x1b.tokenmesh.v1.ResumeRequest\x1a\x1b.tokenmesh.v1.GenerateChunk0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.tokenmesh.v1.CancelRequest\x1a\x1c.tokenmesh.v1.CancelResponse\x12O\n\nListModels\x12\x1f.tokenmesh.v1.ListModelsRequest\x1a .tokenmesh.v1.ListModelsResponse\x12N\n\x0eGenerateStream\x12\x1c.tokenmesh.v1.StreamCommands\x1a\x1a.tokenmesh.v1.StreamEvents(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokenmesh/v1/inference.proto\x12\x0ctokenmesh.v1\x1a\x17google/rpc/status.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb3\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.tokenmesh.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12(\n\x08priority\x18\t \x01(\x0e\x32\x16.tokenmesh.v1.Priority\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x39\n\x06labels\x18\x0b \x03(\x0b\x32).tokenmesh.v1.GenerateRequest.LabelsEntry\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xa2\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x13\n\x0btoken_count\x18\x04 \x01(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmesh.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.tokenmesh.v1.Usage\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\nmigrations\x18\x08 \x01(\r\x12$\n\x06timing\x18\t \x01(\x0b\x32\x14.tokenmesh.v1.Timing\x12-\n\x0brate_limits\x18\n \x01(\x0b\x32\x18.tokenmesh.v1.RateLimits\"\xb8\x02\n\nRateLimits\x12\x1b\n\x0elimit_requests\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x1f\n\x12remaining_requests\x18\x02 \x01(\x04H\x01\x88\x01\x01\x12\x1d\n\x10reset_requests_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0climit_tokens\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1d\n\x10remaining_tokens\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1b\n\x0ereset_tokens_s\x18\x06 \x01(\x01H\x05\x88\x01\x01\x42\x11\n\x0f_limit_requestsB\x15\n\x13_remaining_requestsB\x13\n\x11_reset_requests_sB\x0f\n\r_limit_tokensB\x13\n\x11_remaining_tokensB\x11\n\x0f_reset_tokens_s\"\x8c\x01\n\x06Timing\x12\x15\n\x08queue_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0e\x65ngine_ttft_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0erouter_ttft_ms\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x0b\n\t_queue_msB\x11\n\x0f_engine_ttft_msB\x11\n\x0f_router_ttft_ms\"6\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"a\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x12\n\nis_default\x18\x03 \x01(\x08\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x0c\n\x04\x62\x61se\x18\x05 \x01(\t\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.tokenmesh.v1.ModelInfo\"l\n\x0eStreamCommands\x12-\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x1b.tokenmesh.v1.StreamCommand\x12\x15\n\rcredit_stream\x18\x02 \x03(\x04\x12\x14\n\x0c\x63redit_bytes\x18\x03 \x03(\r\"\xff\x02\n\rStreamCommand\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\x31\n\x08generate\x18\x02 \x01(\x0b\x32\x1d.tokenmesh.v1.GenerateRequestH\x00\x12-\n\x06resume\x18\x03 \x01(\x0b\x32\x1b.tokenmesh.v1.ResumeRequestH\x00\x12,\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x1a.tokenmesh.v1.StreamCancelH\x00\x12,\n\x06\x64\x65tach\x18\x05 \x01(\x0b\x32\x1a.tokenmesh.v1.StreamDetachH\x00\x12\x14\n\x0cwindow_bytes\x18\x06 \x01(\r\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12;\n\x08metadata\x18\x08 \x03(\x0b\x32).tokenmesh.v1.StreamCommand.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"\x0e\n\x0cStreamCancel\"\x0e\n\x0cStreamDetach\"\xa8\x01\n\x0cStreamEvents\x12.\n\x08settings\x18\x01 \x01(\x0b\x32\x1c.tokenmesh.v1.StreamSettings\x12\x14\n\x0c\x63hunk_stream\x18\x02 \x03(\x04\x12+\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x1b.tokenmesh.v1.GenerateChunk\x12%\n\x04\x65nds\x18\x04 \x03(\x0b\x32\x17.tokenmesh.v1.StreamEnd\"?\n\tStreamEnd\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\"\n\x06status\x18\x02 \x01(\x0b\x32\x12.google.rpc.Status\"n\n\x0eStreamSettings\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x1c\n\x14\x64\x65\x66\x61ult_window_bytes\x18\x02 \x01(\r\x12\x17\n\x0fmax_batch_bytes\x18\x03 \x01(\r\x12\x13\n\x0bmax_streams\x18\x04 \x01(\r*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRIORITY_LOW\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x11\n\rPRIORITY_HIGH\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x81\x03\n\tInference\x12H\n\x08Generate\x12\x1d.tokenmesh.v1.GenerateRequest\x1a\x1b.tokenmesh.v1.GenerateChunk0\x01\x12\x44\n\x06Resume\x12\x1b.tokenmesh.v1.ResumeRequest\x1a\x1b.tokenmesh.v1.GenerateChunk0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.tokenmesh.v1.CancelRequest\x1a\x1c.tokenmesh.v1.CancelResponse\x12O\n\nListModels\x12\x1f.tokenmesh.v1.ListModelsRequest\x1a .tokenmesh.v1.ListModelsResponse\x12N\n\x0eGenerateStream\x12\x1c.tokenmesh.v1.StreamCommands\x1a\x1a.tokenmesh.v1.StreamEvents(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_STREAMCOMMAND_METADATAENTRY']._loaded_options = None
   _globals['_STREAMCOMMAND_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_PRIORITY']._serialized_start=2554
-  _globals['_PRIORITY']._serialized_end=2648
-  _globals['_FINISHREASON']._serialized_start=2651
-  _globals['_FINISHREASON']._serialized_end=2800
+  _globals['_PRIORITY']._serialized_start=2584
+  _globals['_PRIORITY']._serialized_end=2678
+  _globals['_FINISHREASON']._serialized_start=2681
+  _globals['_FINISHREASON']._serialized_end=2830
   _globals['_CHATMESSAGE']._serialized_start=71
   _globals['_CHATMESSAGE']._serialized_end=115
   _globals['_GENERATEREQUEST']._serialized_start=118
@@ -47,41 +47,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_start=458
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_end=503
   _globals['_USAGE']._serialized_start=555
-  _globals['_USAGE']._serialized_end=612
-  _globals['_GENERATECHUNK']._serialized_start=615
-  _globals['_GENERATECHUNK']._serialized_end=905
-  _globals['_RATELIMITS']._serialized_start=908
-  _globals['_RATELIMITS']._serialized_end=1220
-  _globals['_TIMING']._serialized_start=1223
-  _globals['_TIMING']._serialized_end=1363
-  _globals['_RESUMEREQUEST']._serialized_start=1365
-  _globals['_RESUMEREQUEST']._serialized_end=1419
-  _globals['_CANCELREQUEST']._serialized_start=1421
-  _globals['_CANCELREQUEST']._serialized_end=1456
-  _globals['_CANCELRESPONSE']._serialized_start=1458
-  _globals['_CANCELRESPONSE']._serialized_end=1493
-  _globals['_LISTMODELSREQUEST']._serialized_start=1495
-  _globals['_LISTMODELSREQUEST']._serialized_end=1514
-  _globals['_MODELINFO']._serialized_start=1516
-  _globals['_MODELINFO']._serialized_end=1613
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1615
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1676
-  _globals['_STREAMCOMMANDS']._serialized_start=1678
-  _globals['_STREAMCOMMANDS']._serialized_end=1786
-  _globals['_STREAMCOMMAND']._serialized_start=1789
-  _globals['_STREAMCOMMAND']._serialized_end=2172
-  _globals['_STREAMCOMMAND_METADATAENTRY']._serialized_start=2114
-  _globals['_STREAMCOMMAND_METADATAENTRY']._serialized_end=2161
-  _globals['_STREAMCANCEL']._serialized_start=2174
-  _globals['_STREAMCANCEL']._serialized_end=2188
-  _globals['_STREAMDETACH']._serialized_start=2190
-  _globals['_STREAMDETACH']._serialized_end=2204
-  _globals['_STREAMEVENTS']._serialized_start=2207
-  _globals['_STREAMEVENTS']._serialized_end=2375
-  _globals['_STREAMEND']._serialized_start=2377
-  _globals['_STREAMEND']._serialized_end=2440
-  _globals['_STREAMSETTINGS']._serialized_start=2442
-  _globals['_STREAMSETTINGS']._serialized_end=2552
-  _globals['_INFERENCE']._serialized_start=2803
-  _globals['_INFERENCE']._serialized_end=3188
+  _globals['_USAGE']._serialized_end=642
+  _globals['_GENERATECHUNK']._serialized_start=645
+  _globals['_GENERATECHUNK']._serialized_end=935
+  _globals['_RATELIMITS']._serialized_start=938
+  _globals['_RATELIMITS']._serialized_end=1250
+  _globals['_TIMING']._serialized_start=1253
+  _globals['_TIMING']._serialized_end=1393
+  _globals['_RESUMEREQUEST']._serialized_start=1395
+  _globals['_RESUMEREQUEST']._serialized_end=1449
+  _globals['_CANCELREQUEST']._serialized_start=1451
+  _globals['_CANCELREQUEST']._serialized_end=1486
+  _globals['_CANCELRESPONSE']._serialized_start=1488
+  _globals['_CANCELRESPONSE']._serialized_end=1523
+  _globals['_LISTMODELSREQUEST']._serialized_start=1525
+  _globals['_LISTMODELSREQUEST']._serialized_end=1544
+  _globals['_MODELINFO']._serialized_start=1546
+  _globals['_MODELINFO']._serialized_end=1643
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1645
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1706
+  _globals['_STREAMCOMMANDS']._serialized_start=1708
+  _globals['_STREAMCOMMANDS']._serialized_end=1816
+  _globals['_STREAMCOMMAND']._serialized_start=1819
+  _globals['_STREAMCOMMAND']._serialized_end=2202
+  _globals['_STREAMCOMMAND_METADATAENTRY']._serialized_start=2144
+  _globals['_STREAMCOMMAND_METADATAENTRY']._serialized_end=2191
+  _globals['_STREAMCANCEL']._serialized_start=2204
+  _globals['_STREAMCANCEL']._serialized_end=2218
+  _globals['_STREAMDETACH']._serialized_start=2220
+  _globals['_STREAMDETACH']._serialized_end=2234
+  _globals['_STREAMEVENTS']._serialized_start=2237
+  _globals['_STREAMEVENTS']._serialized_end=2405
+  _globals['_STREAMEND']._serialized_start=2407
+  _globals['_STREAMEND']._serialized_end=2470
+  _globals['_STREAMSETTINGS']._serialized_start=2472
+  _globals['_STREAMSETTINGS']._serialized_end=2582
+  _globals['_INFERENCE']._serialized_start=2833
+  _globals['_INFERENCE']._serialized_end=3218
 # @@protoc_insertion_point(module_scope)

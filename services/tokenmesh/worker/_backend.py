@@ -88,6 +88,8 @@ class Finished:
     """"stop", "length" or "cancelled"."""
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0
+    """Of prompt_tokens, those the engine reused from its cache (its own figure; 0 when it gives none)."""
 
 
 @dataclass(frozen=True, slots=True)

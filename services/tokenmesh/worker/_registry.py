@@ -341,10 +341,13 @@ class Registry:
                 if event.reason == "cancelled" and record.shed_reason:
                     raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, record.shed_reason)
                 before = record.tokens_before
+                # A continuation's prompt holds the text earlier workers delivered.
+                prompt_tokens = max(0, event.prompt_tokens - before)
                 usage = inference_pb2.Usage(
-                    # A continuation's prompt holds the text earlier workers delivered.
-                    prompt_tokens=max(0, event.prompt_tokens - before),
+                    prompt_tokens=prompt_tokens,
                     completion_tokens=before + event.completion_tokens,
+                    # What the engine reused is a prefix of the prompt it got: of it, the caller's own prompt's part.
+                    cached_prompt_tokens=min(event.cached_prompt_tokens, prompt_tokens),
                 )
                 reason = FINISH_REASONS.get(event.reason, inference_pb2.FINISH_REASON_STOP)
                 extra = max(0, event.completion_tokens - record.tokens)

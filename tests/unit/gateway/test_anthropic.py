@@ -74,6 +74,8 @@ def test_a_messages_body_becomes_the_mesh_request() -> None:
     assert request.HasField("temperature") and not request.HasField("top_p")
     assert dict(request.labels) == {"user": "u1"}
     assert parse({"messages": USER, "max_tokens": 1}, default_model="d").request.model == "d"
+    assert not request.ignore_eos
+    assert parse({"messages": USER, "max_tokens": 1, "ignore_eos": True}).request.ignore_eos  # the OpenAI routes' too
 
 
 @pytest.mark.parametrize(
@@ -85,6 +87,7 @@ def test_a_messages_body_becomes_the_mesh_request() -> None:
         ({"system": [{"type": "image"}]}, "system[0]"),
         ({"stream": "yes"}, "stream"),
         ({"stop_sequences": "END"}, "stop_sequences"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
         (
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "citations": [{}]}]}]},
             "messages[0].content[0].citations",
@@ -117,7 +120,7 @@ def test_each_ending_of_a_stream_in_anthropics_events() -> None:
     assert got[0][1]["message"]["id"] == "msg_r1" and got[0][1]["message"]["model"] == "fallback"
     assert "".join(data["delta"]["text"] for name, data in got if name == "content_block_delta") == "Hello!"
     assert got[7][1]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
-    assert got[7][1]["usage"] == {"input_tokens": 4, "output_tokens": 3}
+    assert got[7][1]["usage"] == {"input_tokens": 4, "cache_read_input_tokens": 0, "output_tokens": 3}
     assert ids(raw) == ["r1:1", "r1:2", "r1:3"]  # the last event of each chunk: the final delta has none of its own
 
     # Resumed after seq 1: no opening events, the rest with their ids.
@@ -160,7 +163,7 @@ def test_the_whole_message_and_its_stop_reasons() -> None:
         "model": "m",
         "stop_reason": "end_turn",
         "stop_sequence": None,
-        "usage": {"input_tokens": 7, "output_tokens": 3},
+        "usage": {"input_tokens": 7, "cache_read_input_tokens": 0, "output_tokens": 3},
     }
     length = orjson.loads(answer.whole("r1", "x", chunk("", inference_pb2.FINISH_REASON_LENGTH)))
     assert length["stop_reason"] == "max_tokens"

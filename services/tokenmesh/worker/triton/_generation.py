@@ -132,7 +132,11 @@ def _last(outputs: _Outputs, text: str, tokens: int, completion_tokens: int) -> 
 
     """
     finished = Finished(
-        outputs.text("finish_reason") or "stop", outputs.uint("num_input_tokens"), max(tokens, completion_tokens)
+        outputs.text("finish_reason") or "stop",
+        outputs.uint("num_input_tokens"),
+        max(tokens, completion_tokens),
+        # smollm2's extension; a model without it (the stock vLLM backend, the synthetic one) reads as 0.
+        outputs.uint("num_cached_tokens"),
     )
     if not text:
         return (finished,)

@@ -23,6 +23,7 @@ def response(
     final: bool = False,
     finish: str = "",
     prompt_tokens: int = 0,
+    cached_tokens: int | None = None,
     raw_text: bytes | None = None,
 ) -> service_pb2.ModelStreamInferResponse:
     """One streamed response of the vLLM backend, its outputs as raw contents."""
@@ -34,6 +35,8 @@ def response(
     if final:
         outputs += [("num_input_tokens", prompt_tokens.to_bytes(4, "little")), ("finish_reason", encode_bytes(finish))]
         infer.parameters["triton_final_response"].bool_param = True
+    if cached_tokens is not None:
+        outputs.append(("num_cached_tokens", cached_tokens.to_bytes(4, "little")))
     for name, raw in outputs:
         infer.outputs.add(name=name)
         infer.raw_output_contents.append(raw)
@@ -117,6 +120,13 @@ async def test_deltas_then_the_final_responses_text_and_the_end_with_the_counts(
 async def test_a_final_response_without_text_ends_it_with_stop_by_default() -> None:
     made, _ = generation([response("a", 1), response("", 1, final=True, prompt_tokens=3)])
     assert await events(made) == [Delta("a", 1), Finished("stop", 3, 1)]
+
+
+async def test_the_final_responses_cached_tokens_are_the_ends_and_a_model_without_them_reads_as_none() -> None:
+    made, _ = generation([response("a", 1), response("", 1, final=True, prompt_tokens=40, cached_tokens=32)])
+    assert await events(made) == [Delta("a", 1), Finished("stop", 40, 1, cached_prompt_tokens=32)]
+    made, _ = generation([response("a", 1), response("", 1, final=True, prompt_tokens=40)])
+    assert (await events(made))[-1].cached_prompt_tokens == 0  # type: ignore[union-attr]
 
 
 async def test_an_error_response_is_a_backend_error_of_its_class() -> None:

@@ -6,7 +6,9 @@ import only ``triton_python_backend_utils``, ``numpy`` and ``xllamacpp``.
 Each request runs on its own thread; llama.cpp batches all running requests
 over ``n_parallel`` slots (continuous batching). Responses are streamed as
 deltas and the last one carries ``finish_reason`` and the token counts, with
-the TRITONSERVER_RESPONSE_COMPLETE_FINAL flag. A cancelled request (the gRPC
+the TRITONSERVER_RESPONSE_COMPLETE_FINAL flag, and the prompt tokens llama.cpp
+took from its cache (a slot still holding an earlier prompt, or the host-RAM
+prompt cache) instead of computing them. A cancelled request (the gRPC
 stream went away) stops its slot at the next token.
 """
 
@@ -172,7 +174,14 @@ class TritonPythonModel:
                 self._threads.discard(threading.current_thread())
 
     def _run(self, sender: Any, body: dict[str, Any], chat: bool, streaming: bool) -> None:
-        state = {"pieces": [], "finish": "", "prompt_tokens": 0, "completion_tokens": 0, "error": None}
+        state = {
+            "pieces": [],
+            "finish": "",
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "error": None,
+        }
 
         def on_event(raw: str) -> bool:
             event = json.loads(raw)
@@ -182,6 +191,7 @@ class TritonPythonModel:
             if "usage" in event and event["usage"]:
                 state["prompt_tokens"] = event["usage"].get("prompt_tokens", 0)
                 state["completion_tokens"] = event["usage"].get("completion_tokens", 0)
+                state["cached_tokens"] = _cached_tokens(event)
             for choice in event.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                 if text:
@@ -210,7 +220,9 @@ class TritonPythonModel:
             )
             return
         text = "".join(state["pieces"])
-        final = _response(text, state["finish"] or "stop", state["prompt_tokens"], state["completion_tokens"])
+        final = _response(
+            text, state["finish"] or "stop", state["prompt_tokens"], state["completion_tokens"], state["cached_tokens"]
+        )
         sender.send(final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
@@ -261,12 +273,26 @@ def _input_bool(request: Any, name: str, *, default: bool) -> bool:
     return bool(tensor.as_numpy().reshape(-1)[0])
 
 
-def _response(text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> Any:
-    return pb_utils.InferenceResponse(
-        output_tensors=[
-            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.array([finish.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("num_input_tokens", np.array([prompt_tokens], dtype=np.uint32)),
-            pb_utils.Tensor("num_output_tokens", np.array([completion_tokens], dtype=np.uint32)),
-        ]
-    )
+def _cached_tokens(event: dict[str, Any]) -> int:
+    """The prompt tokens llama.cpp reused from its cache, as its last (usage) event reports them.
+
+    llama.cpp's OpenAI-style usage carries ``prompt_tokens_details.cached_tokens``; its ``timings.cache_n``
+    is the same count. 0 when neither is there: the figure is the engine's, never estimated here.
+    """
+    details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
+    if "cached_tokens" in details:
+        return int(details["cached_tokens"] or 0)
+    return int((event.get("timings") or {}).get("cache_n") or 0)
+
+
+def _response(text: str, finish: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = -1) -> Any:
+    """One response; ``num_cached_tokens`` on the final one only (cached_tokens >= 0), as the usage it is part of."""
+    tensors = [
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("finish_reason", np.array([finish.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("num_input_tokens", np.array([prompt_tokens], dtype=np.uint32)),
+        pb_utils.Tensor("num_output_tokens", np.array([completion_tokens], dtype=np.uint32)),
+    ]
+    if cached_tokens >= 0:
+        tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([cached_tokens], dtype=np.uint32)))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
