@@ -63,14 +63,14 @@ class Row:
     """iptables rules left in the pods after the row."""
     others_lost: list[str] = field(default_factory=list)
     """Workers other than the victim that some router stopped routing to during the row."""
-    least_busy: int | None = None
-    """The fewest workers with generations in flight on a router while the fault lasted."""
+    ended: dict[str, int] = field(default_factory=dict)
+    """Worker name -> generations that ended on it while the fault lasted."""
     via_gateway: int = 0
     """Generations through the gateway's SSE (the rest through ``tokenmesh.client``)."""
     streaming_at_faults: list[int] = field(default_factory=list)
     """Generations streaming at each fault (the churn row: at each kill)."""
     victim_served: int | None = None
-    """Generations the routers placed on the victim during the row (the latency row)."""
+    """Generations that ended on the victim during the row (the latency row)."""
     note: str = ""
     problems: list[str] = field(default_factory=list)
     """The first broken streams, described."""
@@ -111,8 +111,8 @@ class Watch:
     """Router -> when it was first seen without a Worker/Link call to the victim."""
     others_lost: set[str]
     """The other workers some router stopped routing to while watched."""
-    busy: list[tuple[float, int]]
-    """(time.monotonic(), workers with generations in flight) at each read of a router's table."""
+    served: dict[str, list[tuple[float, dict[str, int]]]]
+    """Router -> (time.monotonic(), worker name -> its generations that ended there so far) at each read."""
     blind: dict[str, list[tuple[float, bool]]]
     """Router -> (time.monotonic(), on its own health view) at each change: its table said the prober reaches no
     worker (router/_pool.py)."""
@@ -124,7 +124,7 @@ class Watch:
         self.changes = {r.name: [] for r in cluster.routers}
         self.link_lost = {}
         self.others_lost = set()
-        self.busy = []
+        self.served = {r.name: [] for r in cluster.routers}
         self.blind = {r.name: [] for r in cluster.routers}
         self._victim = victim
         self._names = {w.address: w.name for w in cluster.workers}
@@ -141,7 +141,8 @@ class Watch:
                     continue
                 row = next((w for w in table.workers if w.address == self._victim.address), None)
                 now = row is not None and routable(row)
-                self.busy.append((time.monotonic(), sum(w.in_flight > 0 for w in table.workers)))
+                ended = {self._names.get(w.address, w.address): w.served_total for w in table.workers}
+                self.served[name].append((time.monotonic(), ended))
                 blind = any(w.reason.startswith(BLIND) for w in table.workers)
                 if blind != (self.blind[name][-1][1] if self.blind[name] else False):
                     self.blind[name].append((time.monotonic(), blind))
@@ -184,9 +185,16 @@ class Watch:
         spans = [f"{t - fault_at:.1f}" + ("" if up else " back") for c in self.blind.values() for t, up in c]
         return f"routers on their own health view at {', '.join(spans)} s" if spans else ""
 
-    def least_busy(self, since: float, until: float) -> int | None:
-        """The fewest workers with generations in flight on a router between since and until (None: no read)."""
-        return min((n for t, n in self.busy if since <= t <= until), default=None)
+    def ended(self, since: float, until: float) -> dict[str, int]:
+        """Worker name -> generations of the routers that ended on it between since and until (their tables'
+        served_total)."""
+        total: dict[str, int] = {}
+        for reads in self.served.values():
+            within = [ended for t, ended in reads if since <= t <= until]
+            if within:
+                for worker, count in within[-1].items():
+                    total[worker] = total.get(worker, 0) + count - within[0].get(worker, count)
+        return dict(sorted(total.items()))
 
     def back_during(self, fault_at: float, heal_at: float) -> int:
         """Times a router took the victim back while the fault lasted (it would send work where none gets)."""
@@ -247,9 +255,9 @@ async def fault_row(
         notes.append(f"routers stopped routing to {', '.join(row.others_lost)} too")
     if spans := watch.own_view_spans(fault_at):
         notes.append(spans)
-    row.least_busy = watch.least_busy(fault_at, heal_at)
-    if row.least_busy is not None:
-        notes.append(f"workers busy during the fault: at least {row.least_busy} of {len(cluster.workers)}")
+    row.ended = watch.ended(fault_at, heal_at)
+    if row.ended:
+        notes.append("generations ended during the fault: " + ", ".join(f"{w} {n}" for w, n in row.ended.items()))
     row.note = "; ".join(notes)
     row.strays = await strays(cluster)
     row.rules = await asyncio.to_thread(cluster.rules)
@@ -458,7 +466,7 @@ async def delay_row(
     gaps = sorted(g for t in row.traces for g in t.gaps())
     row.note = "; ".join(
         [
-            f"the delayed worker served {served.get(worker.address, 0)} of {sum(served.values())} generations",
+            f"{served.get(worker.address, 0)} of {sum(served.values())} generations ended on the delayed worker",
             f"{proxy.accepted} connection(s), {proxy.forwarded_bytes / 1e3:.0f} kB through the proxy",
             f"first chunk p50/p99 {percentile(first, 50):.2f}/{percentile(first, 99):.2f} s",
             f"chunk gap p99 {percentile(gaps, 99):.3f} s",
@@ -470,7 +478,7 @@ async def delay_row(
 
 
 def _served(cluster: Cluster) -> dict[str, int]:
-    """Worker address -> generations the routers placed on it so far (their tables' served_total, summed)."""
+    """Worker address -> generations of the routers that ended on it so far (their tables' served_total)."""
     served: dict[str, int] = {}
     for router in cluster.routers:
         for row in cluster.table(router).workers:
