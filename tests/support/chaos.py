@@ -54,6 +54,10 @@ class Row:
     broken: int = 0
     moved: int = 0
     """Generations that moved to another worker."""
+    fault_at: float = 0.0
+    """time.monotonic() when the fault began (the fault rows)."""
+    heal_at: float = 0.0
+    """time.monotonic() when it was healed."""
     detect_s: float | None = None
     gap_p50_s: float | None = None
     gap_p99_s: float | None = None
@@ -241,6 +245,7 @@ async def fault_row(
         await watch.close()
     traces = callers.traces
     row = summarize(name, traces, tokens, fault_at)
+    row.fault_at, row.heal_at = fault_at, heal_at
     row.detect_s = watch.detected_s(fault_at)
     row.recover_s = watch.recovered_s(heal_at)
     notes = []
