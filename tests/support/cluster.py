@@ -150,6 +150,8 @@ class Cluster:
     network: Network | None
     dns: DnsServer | None
     services: dict[str, Service]
+    dns_stopped: bool
+    """The DNS server is stopped (a chaos row's fault)."""
     _folder: tempfile.TemporaryDirectory[str]
     _logs: list[IO[bytes]]
     _stopped: bool
@@ -159,6 +161,7 @@ class Cluster:
         self.network = None
         self.dns = None
         self.services = {}
+        self.dns_stopped = False
         self._folder = tempfile.TemporaryDirectory(prefix="tokenmesh-cluster-")
         self._logs = []
         self._stopped = False
@@ -172,6 +175,11 @@ class Cluster:
     def routers(self) -> list[Service]:
         """The router services, in order."""
         return [s for s in self.services.values() if s.argv[0] == "router"]
+
+    @property
+    def prober(self) -> Service:
+        """The prober service."""
+        return self.services["prober"]
 
     def start(self) -> None:
         """Make the pods and the DNS records, start every service at once, wait until the routers route to all."""
@@ -283,13 +291,76 @@ class Cluster:
         service.proc.send_signal(signal.SIGKILL)
         service.proc.wait(30)
 
-    def partition(self, worker: Service, peers: list[Service], *, heal: bool = False) -> None:
-        """Drop every packet between worker and peers, both ways, inside the worker's pod (no RST); heal: undo."""
+    def partition(self, service: Service, peers: list[Service], *, heal: bool = False) -> None:
+        """Drop every packet between service and peers, both ways, inside the service's pod (no RST); heal: undo."""
         assert self.network is not None
         action = "-D" if heal else "-A"
         for peer in peers:
-            self.network.iptables(worker.pod, action, "INPUT", "-s", peer.pod.address, "-j", "DROP")
-            self.network.iptables(worker.pod, action, "OUTPUT", "-d", peer.pod.address, "-j", "DROP")
+            self.network.iptables(service.pod, action, "INPUT", "-s", peer.pod.address, "-j", "DROP")
+            self.network.iptables(service.pod, action, "OUTPUT", "-d", peer.pod.address, "-j", "DROP")
+
+    def lose(self, service: Service, probability: float, *, heal: bool = False) -> None:
+        """Drop that fraction of the packets in and out of the service's pod, at random; heal: undo."""
+        assert self.network is not None
+        random = ["-m", "statistic", "--mode", "random", "--probability", f"{probability:g}", "-j", "DROP"]
+        for chain in ("INPUT", "OUTPUT"):
+            self.network.iptables(service.pod, "-D" if heal else "-A", chain, *random)
+
+    def redirect(self, service: Service, peer: Service, to: str, *, undo: bool = False) -> None:
+        """New connections from service to peer's port go to ``to`` (host:port) instead (DNAT in service's pod).
+
+        Connections open already keep their way: :meth:`reset` them.
+        """
+        assert self.network is not None
+        host, port = peer.address.rsplit(":", 1)
+        match = ["-p", "tcp", "-d", host, "--dport", port, "-j", "DNAT", "--to-destination", to]
+        self.network.iptables(service.pod, "-t", "nat", "-D" if undo else "-A", "OUTPUT", *match)
+
+    def reset(self, service: Service, peer: Service) -> None:
+        """Close service's TCP connections to peer's port at once (``ss -K``: the service sees them fail)."""
+        host, port = peer.address.rsplit(":", 1)
+        argv = in_namespace(service.pod.namespace, ["ss", "-K", "dst", host, "dport", "=", f":{port}"])
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)  # noqa: S603 - fixed tool
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+
+    def rules(self) -> list[str]:
+        """iptables rules (filter and nat) left in the pods: 'pod: rule'."""
+        found = []
+        for service in self.services.values():
+            for table in ("filter", "nat"):
+                argv = in_namespace(service.pod.namespace, ["iptables", "-w", "-t", table, "-S"])
+                listed = subprocess.run(argv, capture_output=True, text=True, check=True).stdout  # noqa: S603
+                found += [f"{service.name}: {line}" for line in listed.splitlines() if line.startswith("-A")]
+        return found
+
+    def stop_dns(self) -> None:
+        """Stop the DNS server: every lookup of the pods fails (ICMP port unreachable) until :meth:`start_dns`."""
+        assert self.dns is not None and not self.dns_stopped
+        self.dns.stop()
+        self.dns_stopped = True
+
+    def start_dns(self) -> None:
+        """Start the DNS server again, on its address, with the records it had."""
+        assert self.network is not None and self.dns is not None and self.dns_stopped
+        self.dns = DnsServer(self.network.gateway, 53, zone=self.dns.zone).start()
+        self.dns_stopped = False
+
+    def restart(self, service: Service, grace_s: float = 60) -> float:
+        """SIGTERM the service (it drains), wait until it exited, start it again; seconds it took to exit."""
+        assert service.proc is not None
+        service.note_pids()
+        began = time.monotonic()
+        service.proc.terminate()
+        try:
+            service.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            service.proc.kill()
+            service.proc.wait()
+            raise RuntimeError(f"{service.name} did not exit within {grace_s:g} s of SIGTERM") from None
+        drained_s = time.monotonic() - began
+        self.spawn(service)
+        return drained_s
 
     def strays(self) -> list[int]:
         """Processes in the pods that belong to no running service (a killed worker's Triton, say)."""
@@ -329,7 +400,7 @@ class Cluster:
         if self.network is not None:
             self.network.teardown()
             left += self.network.leftovers()
-        if self.dns is not None:
+        if self.dns is not None and not self.dns_stopped:
             self.dns.stop()
         for log in self._logs:
             log.close()

@@ -52,11 +52,12 @@ class DnsServer:
     Args:
         host: the address to answer on (the cluster harness: the host's end of its bridge).
         port: 0 picks a free one; 53 where resolv.conf names the server (it has no port).
+        zone: the records to serve (a server started again after a stop serves the same ones); default: a new zone.
 
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.zone = Zone()
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, zone: Zone | None = None) -> None:
+        self.zone = zone or Zone()
         quiet = DNSLogger("-request,-reply,-truncated,-error,-recv,-send,-data")
         self._server = DNSServer(self.zone, address=host, port=port, logger=quiet)
 

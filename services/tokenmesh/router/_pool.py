@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 
 from tokenmesh.errors import NotFound, Unavailable
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -132,6 +135,9 @@ class WorkerPool:
     """time.time() when that table arrived."""
     propagation_ms: float
     """From the prober's decision to this router applying the table in force."""
+    prober_blind: bool
+    """The table in force says the prober reaches none of its (two or more) workers: this router routes on its own
+    health view."""
     _turn: int
     _listeners: list[Callable[[], None]]
     _listed: dict[str, router_pb2.WorkerWeight]
@@ -145,6 +151,7 @@ class WorkerPool:
         self.version = 0
         self.received_at = 0.0
         self.propagation_ms = 0.0
+        self.prober_blind = False
         self._listeners = []
         self._listed = {}
 
@@ -189,7 +196,7 @@ class WorkerPool:
         """Weight used for picking: the table's, and 0 while our own health check fails or discovery let it go."""
         if not entry.healthy or entry.gone or entry.suspended_until > time.monotonic():
             return 0.0
-        return entry.weight if self.version else 1.0
+        return entry.weight if self.version and not self.prober_blind else 1.0
 
     def set_health(
         self, entry: WorkerEntry, serving: bool, reason: str, described: worker_pb2.DescribeResponse | None = None
@@ -277,6 +284,21 @@ class WorkerPool:
             if address not in self._listed:
                 entry.weight = 0.0
                 entry.reason = "not in the prober's table"
+        # A prober that reaches none of several workers is cut off itself (the chaos row "prober cut from the
+        # workers": its table said every worker UNREACHABLE and this router, which reached them all, routed
+        # nothing); its verdict is then no news about the workers, and this router's own health watch decides
+        # until it reaches one again. Some workers it cannot reach are still believed: that is how a lost node is
+        # seen before this router's own connection to it times out; so is a lone worker (frozen, say: SIGSTOP
+        # leaves its connections up, and only the prober's unanswered pings tell).
+        blind = len(table.workers) >= 2 and all(w.state == router_pb2.WORKER_STATE_UNREACHABLE for w in table.workers)
+        if blind != self.prober_blind:
+            log.warning(
+                "weight table v%d: the prober reaches %s; routing on %s",
+                table.version,
+                "no worker" if blind else "workers again",
+                "this router's own health view" if blind else "its weights",
+            )
+        self.prober_blind = blind
         self.version = table.version
         self.received_at = time.time()
         if table.HasField("decided_at"):
@@ -399,10 +421,14 @@ class WorkerPool:
     def _reason(self, entry: WorkerEntry) -> str:
         if entry.gone:
             return f"draining: {entry.gone}; dropped once its {entry.in_flight} stream(s) ended"
+        reason = entry.reason
+        if self.prober_blind:
+            own = "SERVING" if entry.healthy else "NOT_SERVING"
+            reason = f"the prober reaches no worker ({reason}); this router's own health view: {own}"
         left = entry.suspended_until - time.monotonic()
         if left > 0:
-            return f"{entry.reason}; avoided by this router for {left:.1f} s: {entry.suspended_reason}"
-        return entry.reason
+            return f"{reason}; avoided by this router for {left:.1f} s: {entry.suspended_reason}"
+        return reason
 
     def table(self) -> router_pb2.RoutingTable:
         """The routing table for operators."""
@@ -411,13 +437,17 @@ class WorkerPool:
             result.received_at.FromNanoseconds(int(self.received_at * 1e9))
         for entry in sorted(self.entries.values(), key=lambda e: e.address):
             state = entry.state
-            if not self.version:
+            if not self.version or self.prober_blind:
                 state = router_pb2.WORKER_STATE_SERVING if entry.healthy else router_pb2.WORKER_STATE_NOT_SERVING
             result.workers.append(
                 router_pb2.RoutingEntry(
                     address=entry.address,
                     # Discovery's verdict is this router's own, and newer than any table's.
-                    weight=entry.weight if self.version and not entry.gone else self.effective_weight(entry),
+                    weight=(
+                        entry.weight
+                        if self.version and not self.prober_blind and not entry.gone
+                        else self.effective_weight(entry)
+                    ),
                     state=state,
                     in_flight=entry.in_flight,
                     concurrency_limit=self.allowance(entry),

@@ -286,3 +286,34 @@ def test_a_worker_coming_back_to_serving_takes_its_describe_limit_over_the_table
     assert entry.limit == 64
     pool.set_health(entry, True, "", worker_pb2.DescribeResponse(concurrency_limit=3))
     assert entry.limit == 64  # while it serves, a table's limit wins over a Describe's
+
+
+def test_a_prober_that_reaches_no_worker_leaves_routing_to_the_routers_own_health_view() -> None:
+    pool = pool_with("a:1", "b:1", "c:1")
+    unreachable = router_pb2.WORKER_STATE_UNREACHABLE
+    cut = router_pb2.WeightTable(
+        version=2,
+        workers=[router_pb2.WorkerWeight(address=a, weight=0.0, state=unreachable) for a in ("a:1", "b:1", "c:1")],
+    )
+    pool.entries["c:1"].healthy = False  # this router's own watch says c is down
+    assert pool.apply(cut) and pool.prober_blind
+    assert {pool.pick("m").address for _ in range(50)} <= {"a:1", "b:1"}
+    rows = {w.address: w for w in pool.table().workers}
+    assert rows["a:1"].state == router_pb2.WORKER_STATE_SERVING and rows["a:1"].weight == 1.0
+    assert rows["c:1"].state == router_pb2.WORKER_STATE_NOT_SERVING and rows["c:1"].weight == 0.0
+    assert "the prober reaches no worker" in rows["a:1"].reason
+    # One worker it still reaches: its verdict on the others counts again (how a lost node is seen early).
+    partly = router_pb2.WeightTable(version=3, workers=[*cut.workers[:2], router_pb2.WorkerWeight(address="c:1")])
+    partly.workers[2].weight, partly.workers[2].state = 1.0, router_pb2.WORKER_STATE_SERVING
+    pool.entries["c:1"].healthy = True
+    assert pool.apply(partly) and not pool.prober_blind
+    assert {pool.pick("m").address for _ in range(50)} == {"c:1"}
+
+
+def test_a_lone_worker_the_prober_cannot_reach_is_not_routed_to() -> None:
+    # One worker: a frozen worker (SIGSTOP keeps its connections up) and a cut-off prober look the same; the
+    # prober's pings are the only sign of the first, so its verdict stands.
+    pool = pool_with("a:1")
+    unreachable = router_pb2.WorkerWeight(address="a:1", weight=0.0, state=router_pb2.WORKER_STATE_UNREACHABLE)
+    assert pool.apply(router_pb2.WeightTable(version=2, workers=[unreachable])) and not pool.prober_blind
+    assert pool.pick("m") is None
