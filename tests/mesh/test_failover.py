@@ -66,6 +66,16 @@ async def test_migration_limit_ends_the_stream_with_unavailable() -> None:
         assert "".join(c.text for c in received) == expected_text(2)
 
 
+async def test_a_stream_that_moves_forward_between_failures_is_not_stopped_by_the_migration_limit() -> None:
+    """--max-migrations bounds moves in a row with nothing delivered between them, not a long stream's moves."""
+    async with in_process_mesh(max_migrations=1, stall_timeout_s=0.2) as mesh:
+        for backend in mesh.backends:
+            backend.fail_after = 3  # every attempt delivers 3 tokens, then its worker fails
+        chunks = await collect(mesh, prompt="x", max_tokens=14)
+        assert_exact(chunks, 14)
+        assert chunks[-1].migrations == 4  # 5 attempts of 3, 3, 3, 3 and 2 tokens: 4 moves past a limit of 1
+
+
 async def test_every_token_delivered_but_end_lost_finishes_with_length(mesh: InProcessMesh) -> None:
     mesh.backends[0].fail_after = 5  # dies right after its 5th and last token
     chunks = await collect(mesh, prompt="x", max_tokens=5)

@@ -54,7 +54,11 @@ class RouterConfig(ServerSettings, TlsSettings):
         "a worker silent this long between chunks is failed over (a generation silent on a worker that sends others' "
         "chunks is slow, not stalled: it moves after --ttft-timeout-s)",
     )
-    max_migrations: int = setting(3, "times one generation may move to (or be retried on) another worker")
+    max_migrations: int = setting(
+        3,
+        "times in a row one generation may move to (or be retried on) another worker with no chunk delivered in "
+        "between (a move after progress starts the count again)",
+    )
     failover_wait_s: float = setting(30.0, "how long a stream whose worker failed waits for another live worker")
     worker_link: str = setting(
         "auto",

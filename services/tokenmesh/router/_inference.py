@@ -140,7 +140,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if isinstance(context, StreamContext):
             context.began(request_id, live)  # a GenerateStream stream: its cancel command is a Cancel of request_id
         progress = Progress()
-        attempts, requeued = 0, False  # attempts on workers that failed; whether a worker at its limit refused one
+        # Attempts in a row that failed with no chunk between them (--max-migrations bounds these: a long stream that
+        # keeps moving forward through many worker deaths is not a hopeless one); whether a worker at its limit
+        # refused one.
+        attempts, requeued = 0, False
         try:
             while True:
                 forward = continuation(base, progress)
@@ -156,6 +159,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     yield self._final_here(base, progress, inference_pb2.FINISH_REASON_CANCELLED, observe)
                     return
                 attempts += 1
+                seq_before = progress.seq
                 try:
                     start = start_command(
                         forward,
@@ -174,6 +178,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             yield piece
                     return
                 except WorkerFailed as failure:
+                    if progress.seq > seq_before:
+                        attempts = 1  # it moved forward there: only this failure counts toward the next move's limit
                     attempts, requeued = self._attempt_failed(entry, failure, request_id, progress, attempts, observe)
                 finally:
                     self._admission.release(entry, tenant)
