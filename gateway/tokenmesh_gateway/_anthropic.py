@@ -4,7 +4,8 @@ Taken: ``model``, ``messages`` (user and assistant turns, each a string or
 text blocks), ``system`` (a string or text blocks), ``max_tokens``
 (required, as Anthropic requires it), ``temperature`` (0..1, as Anthropic),
 ``top_p``, ``stop_sequences``, ``stream`` and ``metadata.user_id`` (the
-generation's ``user`` label). A field that would change the answer in a way
+generation's ``user`` label, and its session key unless ``X-Session-ID``
+names one: ``_session``). A field that would change the answer in a way
 the mesh cannot honour (tools, images and documents, extended thinking,
 ``top_k``, a last assistant turn to continue...) is refused with a 400 naming
 it, never silently dropped; its neutral values (``tools: []``,
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmesh.v1 import inference_pb2
+from tokenmesh_gateway import _session
 from tokenmesh_gateway._errors import invalid
 from tokenmesh_gateway._fields import UINT32_MAX, is_neutral, number, short, string, type_name
 
@@ -151,3 +153,4 @@ def _sampling(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> N
             raise invalid(f"metadata.user_id must be a string, got {short(value)}", "metadata.user_id")
         if value:
             request.labels["user"] = value
+            request.labels[_session.LABEL] = _session.check(value, "metadata.user_id")

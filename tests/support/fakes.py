@@ -88,12 +88,14 @@ class FakeGeneration(Generation):
 
 
 class FakeBackend(Backend):
-    def __init__(self, delay: float = 0.001, name: str = "fake", max_context: int = 512, chat: bool = True) -> None:
+    def __init__(
+        self, delay: float = 0.001, name: str = "fake", max_context: int = 512, chat: bool = True, slots: int = 4
+    ) -> None:
         self.delay = delay
         self.fail_after: int | None = None
         self.stall_after: int | None = None
         self.started: list[FakeGeneration] = []
-        self._spec = ModelSpec(name=name, max_context=max_context, slots=4, chat=chat)
+        self._spec = ModelSpec(name=name, max_context=max_context, slots=slots, chat=chat)
         self.running = False
         self.restarts = 0
         self.fault_once: tuple[int, str] | None = None
