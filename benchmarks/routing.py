@@ -9,7 +9,17 @@ prefix's TTFT p50 to round-robin's (target <= 0.25). Also prints the weight
 propagation time (prober decision -> router applied) p50/p99 seen during the
 runs (target p99 <= 50 ms on loopback).
 
+With --sessions N it measures session affinity instead, on one mesh (policy
+prefix): N multi-turn chats at once, --turns turns each (every turn sends the
+whole history: a distinct system prompt of about --system-tokens tokens, the
+user turns and the model's answers so far), in --blocks alternating blocks of
+fresh chats with a session key (labels["session"]) and without one (the
+prefix rule). Prints the turns each worker served per block, TTFT p50/p99 of
+the turns after the first for each, the router's placement counts and the
+ratio session / prefix of their p50 (target <= 1.0).
+
     .venv/bin/python benchmarks/routing.py --requests 24
+    .venv/bin/python benchmarks/routing.py --sessions 8 --turns 4 --blocks 4
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import argparse
 import random
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -97,6 +108,84 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[str], order:
     }
 
 
+def chat_turns(stub: inference_pb2_grpc.InferenceStub, args: argparse.Namespace, system: str, key: str) -> list[float]:
+    """One conversation, turn after turn, each with the whole history; the TTFT of each turn."""
+    history = [inference_pb2.ChatMessage(role="system", content=system)]
+    ttfts = []
+    for turn in range(args.turns):
+        history.append(inference_pb2.ChatMessage(role="user", content=f"Turn {turn}: which rules name a river?"))
+        request = inference_pb2.GenerateRequest(
+            messages=history, max_tokens=args.max_tokens, ignore_eos=True, temperature=0
+        )
+        if key:
+            request.labels["session"] = key
+        sent, ttft, answer = time.monotonic(), float("nan"), []
+        for chunk in stub.Generate(request, timeout=900):
+            if chunk.text and ttft != ttft:
+                ttft = time.monotonic() - sent
+            answer.append(chunk.text)
+        ttfts.append(ttft)
+        history.append(inference_pb2.ChatMessage(role="assistant", content="".join(answer)))
+    return ttfts
+
+
+def run_sessions(args: argparse.Namespace) -> None:
+    """Session key vs prefix rule on multi-turn chats, alternating blocks on one mesh (see the module's doc)."""
+    # A cold prefill queued behind others on a loaded CPU can take longer than the 30 s TTFT limit: a failover
+    # then would measure the limit, not the placement.
+    env = {
+        "TOKENMESH_ROUTER_POLICY": "prefix",
+        "TOKENMESH_ROUTER_QUEUE_TIMEOUT_S": "600",
+        "TOKENMESH_ROUTER_TTFT_TIMEOUT_S": "600",
+    }
+    first: dict[str, list[float]] = {"session": [], "prefix": []}
+    later: dict[str, list[float]] = {"session": [], "prefix": []}
+    with running_mesh(MeshConfig(workers=args.workers, port=0, extra_env=env, metrics=True)) as mesh:
+        assert mesh.router is not None
+        channel = grpc.insecure_channel(mesh.router.address)
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        operator = router_pb2_grpc.RouterStub(channel)
+        for block in range(args.blocks):
+            served = {
+                w.address: w.served_total for w in operator.GetRoutingTable(router_pb2.GetRoutingTableRequest()).workers
+            }
+            mode = ("session", "prefix")[block % 2]
+            # Fresh system prompts every block: no cache holds any of its chats when it starts.
+            systems = [system_prompt(1000 * (block + 1) + k, args.system_tokens) for k in range(args.sessions)]
+            keys = [f"bench-{block}-{k}" if mode == "session" else "" for k in range(args.sessions)]
+            started = time.monotonic()
+            with ThreadPoolExecutor(args.sessions) as pool:
+                runs = list(pool.map(lambda sk: chat_turns(stub, args, *sk), zip(systems, keys, strict=True)))
+            first[mode] += [r[0] for r in runs]
+            later[mode] += [t for r in runs for t in r[1:]]
+            table = operator.GetRoutingTable(router_pb2.GetRoutingTableRequest()).workers
+            split = "/".join(str(w.served_total - served.get(w.address, 0)) for w in table)
+            print(
+                f"  block {block} ({mode}): done in {time.monotonic() - started:.1f} s, turns per worker {split}",
+                flush=True,
+            )
+        channel.close()
+        with urllib.request.urlopen(mesh.metrics_urls["router"], timeout=10) as answer:
+            placed = [
+                line
+                for line in answer.read().decode().splitlines()
+                if line.startswith("tokenmesh_router_placements_total")
+            ]
+    print(
+        f"\n{args.sessions} chats at once x {args.turns} turns, system prompts of ~{args.system_tokens} tokens, "
+        f"{args.max_tokens} output tokens a turn, {args.workers} workers, {args.blocks} alternating blocks"
+    )
+    print(f"{'placement':10} {'turn 1 p50 s':>13} {'later p50 s':>12} {'later p99 s':>12} {'later turns':>12}")
+    for mode in ("session", "prefix"):
+        print(
+            f"{mode:10} {percentile(first[mode], 50):13.3f} {percentile(later[mode], 50):12.3f} "
+            f"{percentile(later[mode], 99):12.3f} {len(later[mode]):12d}"
+        )
+    print("router placements over all blocks:", "; ".join(placed))
+    ratio = percentile(later["session"], 50) / percentile(later["prefix"], 50)
+    print(f"session / prefix TTFT p50 of later turns: {ratio:.3f} (target <= 1.0)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
@@ -109,7 +198,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--policies", default="prefix,round-robin,least-loaded")
+    parser.add_argument("--sessions", type=int, default=0, help="multi-turn chats at once: session key vs prefix")
+    parser.add_argument("--turns", type=int, default=4, help="with --sessions: turns per chat")
+    parser.add_argument("--blocks", type=int, default=4, help="with --sessions: alternating blocks (session first)")
     args = parser.parse_args()
+    if args.sessions:
+        run_sessions(args)
+        return
 
     prompts = [system_prompt(k, args.system_tokens) for k in range(args.prompts)]
     order = [(i % args.prompts, i) for i in range(args.requests)]

@@ -4,7 +4,8 @@ Taken: ``model``, ``messages`` (user and assistant turns, each a string or
 text blocks), ``system`` (a string or text blocks), ``max_tokens``
 (required, as Anthropic requires it), ``temperature`` (0..1, as Anthropic),
 ``top_p``, ``stop_sequences``, ``stream``, ``metadata.user_id`` (the
-generation's ``user`` label) and ``ignore_eos`` (not Anthropic's: the OpenAI
+generation's ``user`` label, and its session key unless ``X-Session-ID``
+names one: ``_session``) and ``ignore_eos`` (not Anthropic's: the OpenAI
 routes' extension, so that ``tokenmesh bench`` asks every API for the same
 lengths). A field that would change the answer in a way
 the mesh cannot honour (tools, images and documents, extended thinking,
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmesh.v1 import inference_pb2
+from tokenmesh_gateway import _session
 from tokenmesh_gateway._errors import invalid
 from tokenmesh_gateway._fields import UINT32_MAX, boolean, is_neutral, number, short, string, type_name
 
@@ -154,3 +156,4 @@ def _sampling(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> N
             raise invalid(f"metadata.user_id must be a string, got {short(value)}", "metadata.user_id")
         if value:
             request.labels["user"] = value
+            request.labels[_session.LABEL] = _session.check(value, "metadata.user_id")

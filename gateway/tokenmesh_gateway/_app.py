@@ -30,7 +30,7 @@ from tokenmesh.client import Client
 from tokenmesh.errors import MeshError
 from tokenmesh.tracing import from_mapping, inject, operation
 from tokenmesh.v1 import inference_pb2
-from tokenmesh_gateway import _anthropic
+from tokenmesh_gateway import _anthropic, _session
 from tokenmesh_gateway._anthropic_sse import ANTHROPIC_ERRORS, MessagesAnswer
 from tokenmesh_gateway._auth import tenant_of
 from tokenmesh_gateway._config import GatewayConfig
@@ -144,6 +144,7 @@ class GatewayApp:
             return
         parsed = parse(body, kind, self.config.default_model)
         request = parsed.request
+        _session.from_header(scope, request)
         prefix = self._identify(request, request_id, tenant)
         answer = OpenAIAnswer(
             kind, parsed.stream, parsed.include_usage, parsed.continuous_usage, request.model, int(time.time()), prefix
@@ -162,6 +163,7 @@ class GatewayApp:
             return
         parsed = _anthropic.parse(body, self.config.default_model)
         request = parsed.request
+        _session.from_header(scope, request)
         prefix = self._identify(request, request_id, tenant)
         await self._answer("chat", request, MessagesAnswer(parsed.stream, request.model, prefix), scope, receive, send)
 

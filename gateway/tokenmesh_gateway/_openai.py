@@ -6,7 +6,9 @@ tools, response formats, penalties...) is refused with a 400 naming it in
 ``param``, never silently dropped; its neutral values (``n: 1``,
 ``logprobs: false``, ``tools: []``...) are accepted, as SDKs send them.
 Fields nobody here knows are ignored, as vLLM ignores them (SDKs add
-vendor fields through ``extra_body``).
+vendor fields through ``extra_body``). ``prompt_cache_key``, then ``user``,
+is the generation's session key unless ``X-Session-ID`` names one
+(``_session``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokenmesh.v1 import inference_pb2
+from tokenmesh_gateway import _session
 from tokenmesh_gateway._errors import invalid
 from tokenmesh_gateway._fields import (
     UINT32_MAX,
@@ -87,6 +90,7 @@ def parse(body: dict[str, Any], kind: Kind, default_model: str = "") -> Parsed:
     _input(body, kind, request)
     _limits(body, request)
     _sampling(body, request)
+    _session.from_body(body, request, "prompt_cache_key", "user")
     stream = boolean(body, "stream")
     include_usage, continuous = _stream_options(body, stream)
     return Parsed(kind, request, stream, include_usage, continuous)

@@ -6,7 +6,9 @@ a string or ``input_text`` parts; an assistant turn's parts may be
 ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``,
 ``background``, ``store``, ``metadata`` (up to 16 string pairs, echoed on the
 Response), ``ignore_eos`` (as on chat completions), ``user`` and
-``safety_identifier`` (the generation's ``user`` label). A field that would
+``safety_identifier`` (the generation's ``user`` label), ``prompt_cache_key``
+then ``user`` (its session key, unless ``X-Session-ID`` names one:
+``_session``). A field that would
 change the answer and that the mesh cannot honour is refused with a 400
 naming it, never dropped: ``previous_response_id`` and ``conversation``
 (tokenmesh keeps no conversation state), tools, ``reasoning``, ``include``,
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmesh.v1 import inference_pb2
+from tokenmesh_gateway import _session
 from tokenmesh_gateway._errors import invalid
 from tokenmesh_gateway._fields import UINT32_MAX, boolean, integer, is_neutral, number, short, string, type_name
 from tokenmesh_gateway._openai import ROLES
@@ -97,6 +100,7 @@ def parse(body: dict[str, Any], default_model: str = "") -> ResponsesRequest:
     user = string(body, "safety_identifier") or string(body, "user")
     if user:
         request.labels["user"] = user
+    _session.from_body(body, request, "prompt_cache_key", "user")
     background = boolean(body, "background")
     store = body.get("store")
     if store is not None and not isinstance(store, bool):

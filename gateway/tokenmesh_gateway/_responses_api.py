@@ -22,6 +22,7 @@ from opentelemetry import trace
 from tokenmesh.client import Client
 from tokenmesh.errors import MeshError, NotFound
 from tokenmesh.v1 import inference_pb2
+from tokenmesh_gateway import _session
 from tokenmesh_gateway._config import GatewayConfig
 from tokenmesh_gateway._errors import HttpError, from_mesh, invalid
 from tokenmesh_gateway._fields import decode_body
@@ -103,6 +104,7 @@ class ResponsesApi:
         parsed = parse(
             decode_body(await read_body(scope, receive, app.config.max_body_bytes)), app.config.default_model
         )
+        _session.from_header(scope, parsed.request)
         prefix = f"{tenant}/" if tenant else ""
         created = int(time.time())
         if parsed.echo.background:

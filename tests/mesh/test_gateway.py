@@ -361,7 +361,7 @@ async def test_api_keys_are_required_and_name_the_tenant(mesh: InProcessMesh, tm
         )
         assert done.id == "cmpl-q1" and done.choices[0].text == tokens(2)
         params = [g.params for b in mesh.backends for g in b.started][-1]
-        assert params.labels == {"tenant": "search", "user": "alice"}
+        assert params.labels == {"tenant": "search", "user": "alice", "session": "alice"}  # user: the session too
         assert params.request_id == "search/q1"  # kept apart from other tenants' ids
         async with httpx.AsyncClient(base_url=gw.url) as http:
             other = await http.get("/completions/q1/stream", headers={"Authorization": "Bearer sk-ads"})

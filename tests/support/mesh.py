@@ -64,27 +64,30 @@ async def in_process_mesh(
     worker_settings: dict[str, object] | None = None,
     backend_settings: dict[str, Any] | None = None,
     *,
-    per_backend: tuple[dict[str, Any], dict[str, Any]] = ({}, {}),
+    per_backend: tuple[dict[str, Any], ...] = (),
+    worker_count: int = 2,
     **router_settings: object,
 ) -> AsyncIterator[InProcessMesh]:
-    """Two workers over FakeBackend and a router (no prober: even split over healthy workers).
+    """``worker_count`` workers (two) over FakeBackend and a router (no prober: even split over healthy workers).
 
-    ``per_backend``: settings of each worker's FakeBackend on top of ``backend_settings`` (one worker's adapters).
+    ``per_backend``: settings of each worker's FakeBackend on top of ``backend_settings``, by worker (one worker's
+    adapters); workers past its end get none.
 
     The router's ``worker_link`` defaults to ``$TOKENMESH_TEST_WORKER_LINK`` (else the router's default, auto), so
     a mesh suite runs both ways; with the link on, the mesh is ready once each worker's link is open (or refused).
     """
     if os.environ.get(LINK_ENV):
         router_settings.setdefault("worker_link", os.environ[LINK_ENV])
-    backends = [FakeBackend(**(backend_settings or {}), **own) for own in per_backend]
-    workers = [Worker(WorkerConfig(port=0, drain_grace_s=1, **(worker_settings or {})), backend=b) for b in backends]
+    own = [*per_backend, *[{}] * worker_count][:worker_count]
+    backends = [FakeBackend(**(backend_settings or {}), **settings) for settings in own]
+    started = [Worker(WorkerConfig(port=0, drain_grace_s=1, **(worker_settings or {})), backend=b) for b in backends]
     router: Router | None = None
     channel: grpc.aio.Channel | None = None
     try:  # everything started is stopped, also when a later start fails
-        for w in workers:
+        for w in started:
             await w.start()
         router = Router(
-            RouterConfig(port=0, workers=tuple(w.host.address for w in workers), drain_grace_s=1, **router_settings)
+            RouterConfig(port=0, workers=tuple(w.host.address for w in started), drain_grace_s=1, **router_settings)
         )
         await router.start()
         channel = grpc.aio.insecure_channel(router.host.address)
@@ -92,16 +95,16 @@ async def in_process_mesh(
         await wait_until(lambda: all(e.healthy and e.models for e in pool.entries.values()))
         if router.config.worker_link == "auto":
             modes = router.inference.sessions.modes  # "batched" once a link is open; an old worker's "per-generation"
-            await wait_until(lambda: all(w.host.address in modes for w in workers))
+            await wait_until(lambda: all(w.host.address in modes for w in started))
         for b in backends:
             b.started.clear()  # forget the warm-up generations
-        yield InProcessMesh(router, workers, backends, channel)
+        yield InProcessMesh(router, started, backends, channel)
     finally:
         if channel is not None:
             await channel.close()
         if router is not None:
             await router.shutdown()
-        for w in workers:
+        for w in started:
             await w.shutdown()
 
 

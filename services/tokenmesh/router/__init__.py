@@ -4,15 +4,17 @@ from tokenmesh.router._admission import FAILOVER, Admission
 from tokenmesh.router._config import DISCOVERY, RouterConfig
 from tokenmesh.router._inference import InferenceServicer
 from tokenmesh.router._peers import FORWARDED, Peers
-from tokenmesh.router._pool import POLICIES, WorkerEntry, WorkerPool, prefix_key
+from tokenmesh.router._pool import NO_AFFINITY, POLICIES, Affinity, WorkerEntry, WorkerPool, affinity_of, prefix_key
 from tokenmesh.router._service import ControlServicer, Router, RouterServicer
 
 __all__ = [
     "DISCOVERY",
     "FAILOVER",
     "FORWARDED",
+    "NO_AFFINITY",
     "POLICIES",
     "Admission",
+    "Affinity",
     "ControlServicer",
     "InferenceServicer",
     "Peers",
@@ -21,5 +23,6 @@ __all__ = [
     "RouterServicer",
     "WorkerEntry",
     "WorkerPool",
+    "affinity_of",
     "prefix_key",
 ]

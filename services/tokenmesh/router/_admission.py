@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tokenmesh.errors import Cancelled, ResourceExhausted
-from tokenmesh.router._pool import WorkerEntry, WorkerPool
+from tokenmesh.router._pool import NO_AFFINITY, Affinity, WorkerEntry, WorkerPool
 from tokenmesh.v1 import inference_pb2
 
 FAILOVER = 4
@@ -50,7 +50,7 @@ class Waiter:
     """A generation waiting for a slot."""
 
     model: str
-    key: str
+    affinity: Affinity
     level: int
     tenant: str
     enqueued: float
@@ -102,7 +102,7 @@ class Admission:
         level: int,
         tenant: str,
         timeout_s: float | None = None,
-        key: str = "",
+        affinity: Affinity = NO_AFFINITY,
         abandon: asyncio.Future[None] | None = None,
     ) -> WorkerEntry:
         """A worker slot for model (its in_flight already counted); wait in the queue if none is free.
@@ -110,7 +110,8 @@ class Admission:
         Raises Unavailable when no live worker serves the model at all (unless
         level is FAILOVER, which waits for one), ResourceExhausted when the
         queue is full (never at level FAILOVER) or the wait (timeout_s, default queue_timeout_s) runs out,
-        Cancelled once ``abandon`` is done (the generation was cancelled).
+        Cancelled once ``abandon`` is done (the generation was cancelled). ``affinity``: the worker the
+        generation would rather have (its session's or prompt prefix's), for the pool's pick.
         """
         if abandon is not None and abandon.done():
             raise Cancelled("cancelled before it got a worker")
@@ -118,7 +119,7 @@ class Admission:
             self.pool.require_live(model)
         now = time.monotonic()
         ahead = any(self._effective(w, now)[0] >= level for w in self.waiting if w.model == model)
-        entry = None if ahead else self.pool.pick(model, key=key)
+        entry = None if ahead else self.pool.pick(model, affinity)
         if entry is not None:
             return self._grant(entry, tenant)
         # The bound is for arrivals: a generation admitted already (moving off a failed worker, or refused by a
@@ -131,7 +132,7 @@ class Admission:
                 metadata={"model": model, "waiting": str(len(self.waiting))},
                 retry_delay=hint / 1000,
             )
-        waiter = Waiter(model, key, level, tenant, now, next(self._order))
+        waiter = Waiter(model, affinity, level, tenant, now, next(self._order))
         self.waiting.append(waiter)
         try:
             return await self._wait(waiter, self.queue_timeout_s if timeout_s is None else timeout_s, abandon)
@@ -187,7 +188,7 @@ class Admission:
         for waiter in sorted(self.waiting, key=lambda w: self._effective(w, now), reverse=True):
             if waiter.granted.done():
                 continue
-            entry = self.pool.pick(waiter.model, key=waiter.key)
+            entry = self.pool.pick(waiter.model, waiter.affinity)
             if entry is None:
                 continue  # none free for this model; others may serve other models
             self.waiting.remove(waiter)

@@ -72,7 +72,11 @@ class RouterConfig(ServerSettings, TlsSettings):
         "the worker merges what the engine produces meanwhile (fewer, larger messages on every hop); the first "
         "chunk and the end are never held. 0: every chunk as it comes. Must be below --stall-timeout-s",
     )
-    policy: str = setting("prefix", "worker selection: prefix (KV-cache affinity), least-loaded, round-robin")
+    policy: str = setting(
+        "prefix",
+        "worker selection: prefix (KV-cache affinity: labels['session'], else the prompt prefix), least-loaded, "
+        "round-robin",
+    )
     max_streams_per_connection: int = setting(
         1024,
         "streams one caller connection may have open at once "

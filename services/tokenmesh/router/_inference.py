@@ -40,7 +40,7 @@ from tokenmesh.router._link import LinkSessions
 from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._observe import Observation, generation_span
 from tokenmesh.router._outcome import AT_LIMIT, WorkerFailed, outcome
-from tokenmesh.router._pool import WorkerEntry, WorkerPool, prefix_key
+from tokenmesh.router._pool import Affinity, WorkerEntry, WorkerPool, affinity_of
 from tokenmesh.router._quotas import Grant, Quotas
 from tokenmesh.router._relay import Live, Progress, Relay, chunk, continuation, start_command, stop
 from tokenmesh.router._spares import Spares
@@ -134,8 +134,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         tenant = request.labels.get("tenant", "")
         base, grant = await self._admitted(request, tenant)
         request_id = base.request_id
-        key = prefix_key(request)
-        observe = self._observe(base, tenant, bool(key), context)
+        affinity = affinity_of(request)
+        observe = self._observe(base, tenant, affinity.source, context)
         live = self._begin(request_id)
         if isinstance(context, StreamContext):
             context.began(request_id, live)  # a GenerateStream stream: its cancel command is a Cancel of request_id
@@ -152,7 +152,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     yield self._final_here(base, progress, inference_pb2.FINISH_REASON_LENGTH, observe)
                     return
                 try:
-                    entry = await self._slot(base, tenant, key, context, live, observe, progress, attempts, requeued)
+                    entry = await self._slot(
+                        base, tenant, affinity, context, live, observe, progress, attempts, requeued
+                    )
                 except Cancelled:
                     # Cancelled before a worker took it (queued, or between two workers): it ends
                     # as a cancelled generation on a worker does, with a final CANCELLED chunk.
@@ -231,7 +233,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self,
         base: inference_pb2.GenerateRequest,
         tenant: str,
-        prefixed: bool,
+        affinity: str,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> Observation:
         """The generation's observer (metrics and span); from here on this task's log lines are about it."""
@@ -240,7 +242,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             base,
             context.invocation_metadata(),
             policy=self._config.policy,
-            prefixed=prefixed,
+            affinity=affinity,
             capture_content=self.capture_content,
         )
         logs.about(base.request_id, span)
@@ -250,7 +252,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self,
         base: inference_pb2.GenerateRequest,
         tenant: str,
-        key: str,
+        affinity: Affinity,
         context: grpc.aio.ServicerContext[Any, Any],
         live: Live,
         observe: Observation,
@@ -266,7 +268,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """
         waited = time.monotonic()
         failover = attempts > 0 or requeued
-        entry = await self._acquire(base.model, base, tenant, key, context, live.cancelled, failover=failover)
+        entry = await self._acquire(base.model, base, tenant, affinity, context, live.cancelled, failover=failover)
         if not failover:
             queued_s = time.monotonic() - waited
             progress.timing.queue_ms = queued_s * 1000
@@ -393,7 +395,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         model: str,
         request: inference_pb2.GenerateRequest,
         tenant: str,
-        key: str,
+        affinity: Affinity,
         context: grpc.aio.ServicerContext[Any, Any],
         abandon: asyncio.Future[None],
         *,
@@ -405,11 +407,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if remaining is not None:
             timeout = min(timeout, remaining)
         if not failover:
-            return await self._admission.acquire(model, level(request.priority), tenant, timeout, key, abandon)
+            return await self._admission.acquire(model, level(request.priority), tenant, timeout, affinity, abandon)
         # A failover waits, ahead of the queue, for a slot on a live worker: one that frees, or one that comes
         # back (its health, a table, the end of a suspension: the pool tells the admission of each).
         try:
-            return await self._admission.acquire(model, FAILOVER, tenant, timeout, key, abandon)
+            return await self._admission.acquire(model, FAILOVER, tenant, timeout, affinity, abandon)
         except ResourceExhausted:
             self._pool.require_live(model)  # none came back: say that, not "busy"
             raise

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenmesh.errors import label
@@ -329,6 +329,16 @@ class _PoolCollector(Collector):
             for name in LINK_MODES:
                 link.add_metric([row.address, name], 1.0 if name == mode else 0.0)
         yield from (in_flight, limit, weight, state, link)
+        placements = CounterMetricFamily(
+            "tokenmesh_router_placements",
+            "Generations placed on a worker, by what placed them (session, prefix, none) and which worker took them "
+            "(first: the key's first live choice; next: a later one in its order; least: the least loaded; turn: "
+            "round-robin)",
+            labels=["affinity", "choice"],
+        )
+        for (affinity, choice), count in sorted(pool.placements.items()):
+            placements.add_metric([affinity, choice], count)
+        yield placements
         yield GaugeMetricFamily(
             "tokenmesh_router_queued", "Generations waiting in the admission queue", value=len(self._admission.waiting)
         )

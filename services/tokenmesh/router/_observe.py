@@ -37,7 +37,7 @@ def generation_span(
     metadata: Iterable[tuple[str, Any]] | None,
     *,
     policy: str,
-    prefixed: bool,
+    affinity: str,
     capture_content: bool,
 ) -> trace.Span:
     """The generation's span (GenAI semantic conventions), child of the call's RPC server span, else of the caller's.
@@ -50,7 +50,8 @@ def generation_span(
         base: the generation's request, as the router runs it (request_id and model set).
         metadata: the caller's gRPC metadata (its ``traceparent``).
         policy: the router's worker-selection policy.
-        prefixed: whether the request has a prefix-affinity key.
+        affinity: what places the request on a worker: 'session' (its session key), 'prefix' (its prompt prefix)
+            or '' (neither: load alone).
         capture_content: put the prompt, redacted, into the span.
 
     """
@@ -67,7 +68,8 @@ def generation_span(
             "gen_ai.request.max_tokens": base.max_tokens,
             "gen_ai.response.id": base.request_id,
             "tokenmesh.policy": policy,
-            "tokenmesh.prefix_affinity": prefixed,
+            "tokenmesh.prefix_affinity": affinity == "prefix",
+            "tokenmesh.session_affinity": affinity == "session",
         },
     )
     if capture_content and span.is_recording():  # opted in: the prompt, redacted

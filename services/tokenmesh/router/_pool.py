@@ -10,8 +10,12 @@ a worker within half the best weight, then to the one that served fewer.
 The default policy, ``prefix``, first tries the worker whose KV cache holds the request's prompt
 prefix (rendezvous hashing), and yields to balance when that worker is more
 loaded than the least loaded candidate by more than the warm prefix saves
-(see :func:`affinity_slack`). ``least-loaded`` (no affinity) and
-``round-robin`` exist to measure the difference.
+(see :func:`affinity_slack`). A request with a session key (``labels["session"]``)
+is placed by the key instead (:func:`affinity_of`): every turn of the conversation
+goes to the key's first worker in rendezvous order while that worker is under the
+load bound plus what the history saves (:meth:`Affinity.fits`), so every router
+picks the same one without sharing any state.
+``least-loaded`` (no affinity) and ``round-robin`` exist to measure the difference.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import hashlib
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -95,6 +100,63 @@ def affinity_slack(key: str) -> int:
     return 1 + len(key) // PREFIX_CHARS_PER_SLOT
 
 
+@dataclass(frozen=True, slots=True)
+class Affinity:
+    """Which worker a request would rather run on: the first in its key's rendezvous order that has room."""
+
+    key: str = ""
+    """What the worker order hashes ('' = no preference: the least loaded worker)."""
+    slack: int = 0
+    """Generations the key's worker may run beyond the balance it would otherwise need (what the warm cache saves:
+    :func:`affinity_slack`)."""
+    source: str = ""
+    """What the key is: 'session', 'prefix' or '' (for spans and docs)."""
+
+    @classmethod
+    def prefix(cls, key: str) -> Affinity:
+        """A shared prompt prefix's (``prefix_key``): its worker unless further ahead than the prefix saves."""
+        return cls(key, affinity_slack(key), "prefix") if key else NO_AFFINITY
+
+    @classmethod
+    def session(cls, key: str, history_chars: int = 0) -> Affinity:
+        """A conversation's (``labels["session"]``): its worker while under the load bound plus its slack.
+
+        The slack is what the conversation's history (everything but the last message) saves, as for a prefix.
+        """
+        return cls(key, 1 + history_chars // PREFIX_CHARS_PER_SLOT, "session") if key else NO_AFFINITY
+
+    def fits(self, in_flight: int, bound: int, least: int) -> bool:
+        """Whether a worker running in_flight generations takes the request.
+
+        ``bound`` is LOAD_BOUND x the average load, ``least`` the least loaded candidate's count.
+        A prefix yields when its worker is over the bound or more than its slack ahead of the least loaded: it
+        guards against one hot prefix, shared by many requests, swamping a worker. A session key carries one
+        conversation, a turn at a time: many keys spread evenly by the hash alone, and a turn moved to balance a
+        momentary difference costs the turn its warm history (and the next turn, back home, the history of this
+        one). So a session stays up to the bound plus its slack, and never yields to the least loaded as such:
+        an idle mesh does not scatter two conversations that hash to one worker.
+        """
+        if self.source == "session":
+            return in_flight < bound + self.slack
+        return in_flight < bound and in_flight - least <= self.slack
+
+
+NO_AFFINITY = Affinity()
+"""No preference: the least loaded worker."""
+
+
+def affinity_of(request: inference_pb2.GenerateRequest) -> Affinity:
+    """The request's session key (``labels["session"]``) if it has one, else its prompt prefix (if long enough)."""
+    session = request.labels.get("session", "")
+    if not session:
+        return Affinity.prefix(prefix_key(request))
+    if request.messages:
+        history = sum(len(m.role) + len(m.content) + 2 for m in request.messages[:-1])
+    else:
+        history = len(request.prompt)  # a completion's prompt carries the conversation so far
+    return Affinity.session(session, history)
+
+
 def _rendezvous(key: str, address: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}|{address}".encode(), digest_size=8).digest(), "big")
 
@@ -138,6 +200,10 @@ class WorkerPool:
     prober_blind: bool
     """The table in force says the prober reaches none of its (two or more) workers: this router routes on its own
     health view."""
+    placements: Counter[tuple[str, str]]
+    """Generations placed, by (affinity: 'session', 'prefix' or 'none'; choice: 'first' (the key's first live
+    worker), 'next' (a later one: the first was full or over the load bound), 'least' (the least loaded),
+    'turn' (round-robin)). Bounded: 3 x 4 label pairs."""
     _turn: int
     _listeners: list[Callable[[], None]]
     _listed: dict[str, router_pb2.WorkerWeight]
@@ -148,6 +214,7 @@ class WorkerPool:
         self.policy = policy
         self.share = share
         self._turn = 0
+        self.placements = Counter()
         self.version = 0
         self.received_at = 0.0
         self.propagation_ms = 0.0
@@ -380,10 +447,10 @@ class WorkerPool:
         index, count = self.share
         return (entry.limit + count - 1 - index) // count
 
-    def pick(self, model: str, key: str = "") -> WorkerEntry | None:
+    def pick(self, model: str, affinity: Affinity = NO_AFFINITY) -> WorkerEntry | None:
         """A live worker serving model with a free slot, by the policy; None if none is free.
 
-        ``key`` identifies the request's prompt prefix (for the prefix policy).
+        ``affinity`` is the request's session or prompt prefix (honoured by the prefix policy).
         """
         live = [e for e in self.entries.values() if model in e.models and self.effective_weight(e) > 0]
         candidates = [e for e in live if e.in_flight < self.allowance(e)]
@@ -392,20 +459,28 @@ class WorkerPool:
         if self.policy == "round-robin":
             ordered = sorted(candidates, key=lambda e: e.address)
             self._turn += 1
-            return ordered[self._turn % len(ordered)]
+            return self._placed(ordered[self._turn % len(ordered)], "none", "turn")
         best = max(self.effective_weight(e) for e in candidates)
         least = min(candidates, key=lambda e: self._load_order(e, best))
+        key = affinity.key
         if self.policy == "prefix" and key:
-            # The prefix's own order of workers (rendezvous hashing), skipping
-            # any carrying more than LOAD_BOUND x the average (one hot prefix
-            # cannot swamp one worker) or more than the prefix's slack above
-            # the least loaded candidate (balance wins over a short prefix).
+            # The key's own order of the live workers (rendezvous hashing: a
+            # worker that leaves moves only its own keys, to their next choice),
+            # skipping any without a free slot, too far over LOAD_BOUND x the
+            # average (one hot key cannot swamp one worker) or, for a prefix, more
+            # than its slack above the least loaded candidate (balance wins over a
+            # short prefix): Affinity.fits.
             bound = math.ceil(LOAD_BOUND * (sum(e.in_flight for e in live) + 1) / len(live))
-            slack = affinity_slack(key)
-            for entry in sorted(candidates, key=lambda e: _rendezvous(key, e.address), reverse=True):
-                if entry.in_flight < bound and entry.in_flight - least.in_flight <= slack:
-                    return entry
-        return least
+            free = set(candidates)
+            ordered = sorted(live, key=lambda e: _rendezvous(key, e.address), reverse=True)
+            for rank, entry in enumerate(ordered):
+                if entry in free and affinity.fits(entry.in_flight, bound, least.in_flight):
+                    return self._placed(entry, affinity.source, "next" if rank else "first")
+        return self._placed(least, affinity.source or "none", "least")
+
+    def _placed(self, entry: WorkerEntry, affinity: str, choice: str) -> WorkerEntry:
+        self.placements[affinity, choice] += 1
+        return entry
 
     def _load_order(self, entry: WorkerEntry, best: float) -> tuple[float, bool, int, float]:
         """Least loaded first: in flight over allowance; then one within half the best weight, fewer served first.

@@ -72,7 +72,7 @@ def test_a_messages_body_becomes_the_mesh_request() -> None:
     ]
     assert (request.model, request.max_tokens, request.temperature, list(request.stop)) == ("m", 9, 0.0, ["END"])
     assert request.HasField("temperature") and not request.HasField("top_p")
-    assert dict(request.labels) == {"user": "u1"}
+    assert dict(request.labels) == {"user": "u1", "session": "u1"}
     assert parse({"messages": USER, "max_tokens": 1}, default_model="d").request.model == "d"
     assert not request.ignore_eos
     assert parse({"messages": USER, "max_tokens": 1, "ignore_eos": True}).request.ignore_eos  # the OpenAI routes' too

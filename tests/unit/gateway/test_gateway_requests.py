@@ -66,7 +66,8 @@ def test_chat_fields_become_the_mesh_request() -> None:
         ("assistant", "c"),
     ]
     assert (request.model, request.max_tokens, request.temperature, request.top_p, request.seed) == ("m", 7, 0, 0.5, 3)
-    assert list(request.stop) == ["\n"] and request.ignore_eos and dict(request.labels) == {"user": "u1"}
+    assert list(request.stop) == ["\n"] and request.ignore_eos
+    assert dict(request.labels) == {"user": "u1", "session": "u1"}  # user is the session key without a better one
     assert (parsed.stream, parsed.include_usage, parsed.continuous_usage) == (True, True, True)
 
 

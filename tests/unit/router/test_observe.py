@@ -70,7 +70,7 @@ def play(observe: Observation | GenerationMetrics) -> None:
 def test_with_tracing_off_nothing_is_recorded_the_metrics_are_the_same_and_a_chunk_costs_only_the_metrics() -> None:
     metrics, plain = RouterMetrics(), RouterMetrics()
     span = generation_span(
-        trace.NoOpTracer(), BASE, (("traceparent", TRACEPARENT),), policy="p2c", prefixed=False, capture_content=True
+        trace.NoOpTracer(), BASE, (("traceparent", TRACEPARENT),), policy="p2c", affinity="", capture_content=True
     )
     observe = Observation(metrics.generation("m", "t"), span, capture_content=True)
     assert not span.is_recording()
@@ -89,7 +89,7 @@ def test_with_tracing_off_nothing_is_recorded_the_metrics_are_the_same_and_a_chu
 
 
 def test_with_tracing_off_and_no_caller_context_the_worker_gets_none() -> None:
-    span = generation_span(trace.NoOpTracer(), BASE, (), policy="p2c", prefixed=False, capture_content=False)
+    span = generation_span(trace.NoOpTracer(), BASE, (), policy="p2c", affinity="", capture_content=False)
     assert Observation(RouterMetrics().generation("m", ""), span, capture_content=False).trace_context == {}
 
 
@@ -112,7 +112,7 @@ def test_with_tracing_on_the_span_records_the_generation(
 ) -> None:
     tracer, exporter = recorded
     span = generation_span(
-        tracer, BASE, (("traceparent", TRACEPARENT),), policy="p2c", prefixed=True, capture_content=capture
+        tracer, BASE, (("traceparent", TRACEPARENT),), policy="p2c", affinity="prefix", capture_content=capture
     )
     metrics = RouterMetrics()
     observe = Observation(metrics.generation("m", "t"), span, capture_content=capture)
@@ -133,6 +133,7 @@ def test_with_tracing_on_the_span_records_the_generation(
         "gen_ai.response.id": "rid",
         "tokenmesh.policy": "p2c",
         "tokenmesh.prefix_affinity": True,
+        "tokenmesh.session_affinity": False,
         "tokenmesh.worker": "w:2",
         "gen_ai.response.finish_reasons": ("length",),
         "gen_ai.usage.input_tokens": 4,
@@ -197,13 +198,13 @@ def test_log_lines_carry_a_recording_spans_ids_and_none_for_a_no_op_span(
     tracer, _ = recorded
     record = logging.LogRecord("t", logging.INFO, __file__, 1, "m", None, None)
     parent = generation_span(
-        trace.NoOpTracer(), BASE, (("traceparent", TRACEPARENT),), policy="p2c", prefixed=False, capture_content=False
+        trace.NoOpTracer(), BASE, (("traceparent", TRACEPARENT),), policy="p2c", affinity="", capture_content=False
     )
     logs.about("rid", parent)
     logs.CallContext().filter(record)
     assert (record.request_id, record.trace_id, record.span_id) == ("rid", "", "")
     span = generation_span(
-        tracer, BASE, (("traceparent", TRACEPARENT),), policy="p2c", prefixed=False, capture_content=False
+        tracer, BASE, (("traceparent", TRACEPARENT),), policy="p2c", affinity="", capture_content=False
     )
     logs.about("rid", span)
     logs.CallContext().filter(record)

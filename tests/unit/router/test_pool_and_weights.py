@@ -8,7 +8,7 @@ import pytest
 
 from tokenmesh.errors import NotFound, Unavailable
 from tokenmesh.prober import MIN_WEIGHT, Prober, ProberConfig, Scoring, WorkerView, compute_weight
-from tokenmesh.router import WorkerPool
+from tokenmesh.router import Affinity, WorkerPool
 from tokenmesh.v1 import inference_pb2, router_pb2, worker_pb2
 
 
@@ -234,28 +234,28 @@ def test_prefix_policy_keeps_a_prefix_on_one_worker_within_the_load_bound() -> N
     pool.policy = "prefix"
     homes = {}
     for p in range(8):
-        picks = {pool.pick("m", key=f"system prompt {p}").address for _ in range(5)}
+        picks = {pool.pick("m", Affinity.prefix(f"system prompt {p}")).address for _ in range(5)}
         assert len(picks) == 1  # idle mesh: always the prefix's own worker
         homes[p] = picks.pop()
     assert len(set(homes.values())) > 1  # different prefixes spread over workers
     # One hot prefix: its worker takes load only up to 1.25x the average, then the next in its order.
     hot = pool.entries[homes[0]]
     hot.in_flight = 4
-    assert pool.pick("m", key="system prompt 0") is not hot
+    assert pool.pick("m", Affinity.prefix("system prompt 0")) is not hot
 
 
 def test_a_prefix_yields_to_balance_by_more_the_shorter_it_is() -> None:
     pool = pool_with("a:1", "b:1")
     short, long = "s" * 300, "l" * 4096  # one extra generation, three extra
     for key in (short, long):
-        home = pool.pick("m", key=key)
+        home = pool.pick("m", Affinity.prefix(key))
         other = next(e for e in pool.entries.values() if e is not home)
         home.in_flight, other.in_flight = 10, 9
-        assert pool.pick("m", key=key) is home  # one ahead: the warm prefix is worth it
+        assert pool.pick("m", Affinity.prefix(key)) is home  # one ahead: the warm prefix is worth it
         home.in_flight = 11
-        assert pool.pick("m", key=key) is (other if key is short else home)
+        assert pool.pick("m", Affinity.prefix(key)) is (other if key is short else home)
         home.in_flight = 13
-        assert pool.pick("m", key=key) is other  # four ahead: balance wins for both
+        assert pool.pick("m", Affinity.prefix(key)) is other  # four ahead: balance wins for both
         home.in_flight = other.in_flight = 0
 
 
