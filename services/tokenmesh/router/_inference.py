@@ -140,10 +140,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if isinstance(context, StreamContext):
             context.began(request_id, live)  # a GenerateStream stream: its cancel command is a Cancel of request_id
         progress = Progress()
-        # Attempts in a row that failed with no chunk between them (--max-migrations bounds these: a long stream that
-        # keeps moving forward through many worker deaths is not a hopeless one); whether a worker at its limit
-        # refused one.
-        attempts, requeued = 0, False
+        attempts, requeued = (
+            0,
+            False,
+        )  # failed attempts in a row with no chunk between; refused by a worker at its limit
         try:
             while True:
                 forward = continuation(base, progress)
@@ -163,14 +163,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 attempts += 1
                 seq_before = progress.seq
                 try:
-                    start = start_command(
-                        forward,
-                        progress,
-                        context,
-                        resumable=bool(request.request_id),
-                        trace_context=observe.start_context,
-                        stream_interval_ms=self._config.stream_interval_ms,
-                    )
+                    start = self._start(forward, progress, context, bool(request.request_id), observe)
                     relay = self._relay.run(entry, start, live, progress, observe.call_context)
                     observe.attempt(entry.address)
                     async with contextlib.aclosing(relay):
@@ -180,9 +173,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             yield piece
                     return
                 except WorkerFailed as failure:
-                    if progress.seq > seq_before:
-                        attempts = 1  # it moved forward there: only this failure counts toward the next move's limit
-                    attempts, requeued = self._attempt_failed(entry, failure, request_id, progress, attempts, observe)
+                    failed = (failure, progress.seq > seq_before)
+                    attempts, requeued = self._attempt_failed(entry, failed, request_id, progress, attempts, observe)
                 finally:
                     self._admission.release(entry, tenant)
         except MeshError as error:
@@ -195,6 +187,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._end(request_id)
             grant.settle()
             observe.end(progress.timing.queue_ms, progress.migrations)
+
+    def _start(
+        self,
+        forward: inference_pb2.GenerateRequest,
+        progress: Progress,
+        context: grpc.aio.ServicerContext[Any, Any],
+        resumable: bool,
+        observe: Observation,
+    ) -> worker_pb2.WorkerCommand:
+        """The next attempt's start command: what is left to generate, traced under the generation's span."""
+        return start_command(
+            forward,
+            progress,
+            context,
+            resumable=resumable,
+            trace_context=observe.start_context,
+            stream_interval_ms=self._config.stream_interval_ms,
+        )
 
     async def _admitted(
         self, request: inference_pb2.GenerateRequest, tenant: str
@@ -278,7 +288,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def _attempt_failed(
         self,
         entry: WorkerEntry,
-        failure: WorkerFailed,
+        failed: tuple[WorkerFailed, bool],
         request_id: str,
         progress: Progress,
         attempts: int,
@@ -286,9 +296,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> tuple[int, bool]:
         """Take stock of an attempt that did not end; the attempts that count, and whether it was refused.
 
-        A worker at its limit is busy, not failed: that attempt does not count, and the generation waits again,
-        ahead of the queue (:meth:`_refused`); any other failure fails over (:meth:`_fail_over`).
+        failed: the failure, and whether the attempt delivered chunks before it. A worker at its limit is busy, not
+        failed: that attempt does not count, and the generation waits again, ahead of the queue (:meth:`_refused`);
+        any other failure fails over (:meth:`_fail_over`). ``--max-migrations`` bounds failed attempts in a row with
+        no chunk delivered between them: after an attempt that moved the stream forward only its own failure
+        counts (a long stream that keeps going through many worker deaths is not a hopeless one).
         """
+        failure, moved = failed
+        if moved:
+            attempts = 1
         if failure.kind == AT_LIMIT:
             self._refused(entry, request_id)
             return attempts - 1, True
