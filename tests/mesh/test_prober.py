@@ -45,6 +45,41 @@ async def test_tables_reach_the_router_and_are_acked(mesh: InProcessMesh) -> Non
         await prober.shutdown()
 
 
+async def test_a_starting_prober_sends_no_table_before_it_probed_a_worker(mesh: InProcessMesh) -> None:
+    """Its first table would otherwise call every worker unreachable ('not contacted yet'), which a router reads
+    as the prober cut off from them (and warns about, at every start)."""
+    addresses = tuple(w.host.address for w in mesh.workers)
+    prober = Prober(ProberConfig(port=0, workers=addresses, routers=(mesh.router.host.address,), interval_s=0.05))
+    seen: list[list[int]] = []
+    apply = mesh.router.pool.apply
+
+    def recording(table: router_pb2.WeightTable, adopt: bool = False) -> bool:
+        seen.append([w.state for w in table.workers])
+        return apply(table, adopt)
+
+    mesh.router.pool.apply = recording  # type: ignore[method-assign]
+    await prober.start()
+    try:
+        await wait_until(lambda: any(router_pb2.WORKER_STATE_SERVING in states for states in seen))
+        assert [router_pb2.WORKER_STATE_UNREACHABLE] * len(addresses) not in seen
+        assert not mesh.router.pool.prober_blind
+    finally:
+        await prober.shutdown()
+
+
+async def test_a_prober_that_reaches_no_worker_still_sends_its_table_after_a_probe_timeout(
+    mesh: InProcessMesh,
+) -> None:
+    gone = ("127.0.0.1:1", "127.0.0.1:2")  # nothing listens: every probe fails (or, filtered, times out)
+    prober = Prober(ProberConfig(port=0, workers=gone, routers=(), interval_s=0.05, probe_timeout_s=0.3))
+    await prober.start()
+    try:
+        await wait_until(lambda: prober.table.version > 0, timeout=3)
+        assert {w.state for w in prober.table.workers} == {router_pb2.WORKER_STATE_UNREACHABLE}
+    finally:
+        await prober.shutdown()
+
+
 async def test_gpu_memory_reading_over_the_threshold_lowers_that_workers_weight(mesh: InProcessMesh) -> None:
     """NVML read through the worker's device seam, with fixed readings, all the way to the router."""
     gib = 1024**3

@@ -118,6 +118,7 @@ class Prober(Service):
 
     def _mark(self, view: WorkerView, *, reachable: bool, serving: bool | None = None, error: str = "") -> None:
         changed = view.reachable != reachable or (serving is not None and view.serving != serving)
+        view.probed = True
         view.reachable = reachable
         if serving is not None:
             view.serving = serving
@@ -214,12 +215,25 @@ class Prober(Service):
             )
         return result
 
+    def _nothing_known_yet(self) -> bool:
+        """Just started: no worker answered or failed a probe yet, and none for as long as a probe may take.
+
+        A table now would call every worker unreachable, which the routers read as this prober cut off from them
+        (they route on their own health view, and say so in a warning): nothing worth sending.
+        """
+        now = time.monotonic()
+        return bool(self.views) and all(
+            not v.probed and now - v.since < self.config.probe_timeout_s for v in self.views.values()
+        )
+
     async def _recompute(self) -> None:
         """Decide a new table at every ping round and at once on any change; wake the pushers."""
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self.config.interval_s)
             self._changed.clear()
+            if self._nothing_known_yet():
+                continue
             workers = self.compute_table()
             if list(self.table.workers) == workers:
                 continue

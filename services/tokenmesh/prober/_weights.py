@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from tokenmesh.v1 import router_pb2, worker_pb2
 
@@ -25,6 +26,10 @@ class WorkerView:
     error: str = "not contacted yet"
     oom_at: float = -1e9
     """When the worker's oom_total last rose (time.monotonic())."""
+    probed: bool = False
+    """A health watch or stats stream answered or failed: the prober knows something of the worker."""
+    since: float = field(default_factory=time.monotonic)
+    """When the prober began watching it."""
 
 
 @dataclass(frozen=True)
