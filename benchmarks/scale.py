@@ -47,13 +47,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import psutil
 import tritonclient.grpc.aio as triton_aio
 from common import cpu_seconds, percentile, running_mesh, synthetic_repository, tree_cpu_seconds
-from tritonclient.grpc import InferInput
 
-from tokenmesh.bench.targets import MeshTarget, bytes_input
+from tokenmesh.bench.targets import MeshTarget, read_response, stream_inputs
 from tokenmesh.client import Client
 from tokenmesh.errors import MeshError, Unavailable
 from tokenmesh.mesh import MeshConfig
@@ -99,10 +97,7 @@ class DirectTriton:
     ) -> AsyncIterator[inference_pb2.GenerateChunk]:
         """Stream i's responses as the mesh's chunks (seq, text, tokens, LENGTH at the end)."""
         del timeout  # the stream's end is planned; a stuck one shows as missing tokens
-        sampling = json.dumps({"max_tokens": request.max_tokens, "ignore_eos": True})
-        flag = InferInput("stream", [1], "BOOL")
-        flag.set_data_from_numpy(np.array([True], dtype=bool))
-        inputs = [bytes_input("text_input", request.prompt), flag, bytes_input("sampling_parameters", sampling)]
+        inputs = stream_inputs(request.prompt, {"max_tokens": request.max_tokens, "ignore_eos": True})
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self.waiting[request.request_id] = queue
         self.outgoing[i % len(self.outgoing)].put_nowait(
@@ -114,10 +109,8 @@ class DirectTriton:
                 response = await queue.get()
                 if isinstance(response, Exception):
                     raise Unavailable(f"Triton: {response}")
-                final = response.get_response().parameters["triton_final_response"].bool_param
-                texts = response.as_numpy("text_output")
-                text = b"".join(texts.reshape(-1)).decode(errors="replace") if texts is not None else ""
-                tokens = int(response.as_numpy("num_output_tokens").reshape(-1)[0])
+                text, reported, final = read_response(response)
+                tokens = reported if reported is not None else (1 if text else 0)
                 count = max(tokens - counted, 0) if final else tokens
                 counted += count
                 seq += 1

@@ -177,6 +177,25 @@ def _final(chunk: inference_pb2.GenerateChunk, result: RequestResult, now: float
         result.error = "FINISH_REASON_ERROR"
 
 
+def stream_inputs(text: str, sampling: dict[str, Any], messages: Sequence[tuple[str, str]] = ()) -> list[InferInput]:
+    """The inputs of one decoupled streaming request (the vLLM backend's tensors)."""
+    stream = InferInput("stream", [1], "BOOL")
+    stream.set_data_from_numpy(np.array([True], dtype=bool))
+    inputs = [bytes_input("text_input", text), stream, bytes_input("sampling_parameters", json.dumps(sampling))]
+    if messages:
+        inputs.append(bytes_input("messages", json.dumps([{"role": r, "content": c} for r, c in messages])))
+    return inputs
+
+
+def read_response(response: Any) -> tuple[str, int | None, bool]:
+    """A streamed response's text, its num_output_tokens (None when the model reports none), whether it is final."""
+    texts = response.as_numpy("text_output")
+    text = b"".join(texts.reshape(-1)).decode(errors="replace") if texts is not None else ""
+    tokens = response.as_numpy("num_output_tokens")
+    final = bool(response.get_response().parameters["triton_final_response"].bool_param)
+    return text, int(tokens.reshape(-1)[0]) if tokens is not None else None, final
+
+
 def bytes_input(name: str, value: str) -> InferInput:
     """A one-element BYTES input (the vLLM backend's text and JSON tensors)."""
     tensor = InferInput(name, [1], "BYTES")
@@ -233,15 +252,7 @@ class TritonTarget(Target):
         sampling: dict[str, Any] = {"max_tokens": prompt.max_tokens, "ignore_eos": self.ignore_eos}
         if self.seed is not None:
             sampling["seed"] = self.seed
-        stream = InferInput("stream", [1], "BOOL")
-        stream.set_data_from_numpy(np.array([True], dtype=bool))
-        inputs = [
-            bytes_input("text_input", prompt.text),
-            stream,
-            bytes_input("sampling_parameters", json.dumps(sampling)),
-        ]
-        if prompt.messages:
-            inputs.append(bytes_input("messages", json.dumps([{"role": r, "content": c} for r, c in prompt.messages])))
+        inputs = stream_inputs(prompt.text, sampling, prompt.messages)
 
         async def requests() -> AsyncIterator[dict[str, Any]]:
             yield {"model_name": self.model, "inputs": inputs}
@@ -255,17 +266,14 @@ class TritonTarget(Target):
                 now = time.monotonic()
                 if error is not None:
                     raise error
-                texts = response.as_numpy("text_output")
-                text = b"".join(texts.reshape(-1)).decode(errors="replace") if texts is not None else ""
-                tokens_array = response.as_numpy("num_output_tokens")
-                tokens = int(tokens_array.reshape(-1)[0]) if tokens_array is not None else (1 if text else 0)
-                final = response.get_response().parameters["triton_final_response"].bool_param
+                text, reported, final = read_response(response)
+                tokens = reported if reported is not None else (1 if text else 0)
                 if text:
                     result.chunk_times.append(now)
                     result.chunk_tokens.append(tokens if not final else max(tokens - counted, 0))
                 if final:
                     # The final response carries the request's total (the model's usage extension).
-                    result.output_tokens = max(tokens, counted) if tokens_array is not None else counted + tokens
+                    result.output_tokens = max(tokens, counted) if reported is not None else counted + tokens
                     result.ended = now
                     return
                 counted += tokens
