@@ -108,10 +108,12 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[str], order:
     }
 
 
-def chat_turns(stub: inference_pb2_grpc.InferenceStub, args: argparse.Namespace, system: str, key: str) -> list[float]:
-    """One conversation, turn after turn, each with the whole history; the TTFT of each turn."""
+def chat_turns(
+    stub: inference_pb2_grpc.InferenceStub, args: argparse.Namespace, system: str, key: str
+) -> list[tuple[float, int, int]]:
+    """One conversation, turn after turn, each with the whole history; each turn's TTFT, cached and prompt tokens."""
     history = [inference_pb2.ChatMessage(role="system", content=system)]
-    ttfts = []
+    turns = []
     for turn in range(args.turns):
         history.append(inference_pb2.ChatMessage(role="user", content=f"Turn {turn}: which rules name a river?"))
         request = inference_pb2.GenerateRequest(
@@ -119,14 +121,16 @@ def chat_turns(stub: inference_pb2_grpc.InferenceStub, args: argparse.Namespace,
         )
         if key:
             request.labels["session"] = key
-        sent, ttft, answer = time.monotonic(), float("nan"), []
+        sent, ttft, answer, usage = time.monotonic(), float("nan"), [], inference_pb2.Usage()
         for chunk in stub.Generate(request, timeout=900):
             if chunk.text and ttft != ttft:
                 ttft = time.monotonic() - sent
             answer.append(chunk.text)
-        ttfts.append(ttft)
+            if chunk.HasField("usage"):
+                usage = chunk.usage
+        turns.append((ttft, usage.cached_prompt_tokens, usage.prompt_tokens))
         history.append(inference_pb2.ChatMessage(role="assistant", content="".join(answer)))
-    return ttfts
+    return turns
 
 
 def run_sessions(args: argparse.Namespace) -> None:
@@ -140,6 +144,8 @@ def run_sessions(args: argparse.Namespace) -> None:
     }
     first: dict[str, list[float]] = {"session": [], "prefix": []}
     later: dict[str, list[float]] = {"session": [], "prefix": []}
+    # Of the later turns' prompt tokens, how many the engine reused from its cache (llama.cpp's own figure).
+    reused: dict[str, list[int]] = {"session": [0, 0], "prefix": [0, 0]}
     with running_mesh(MeshConfig(workers=args.workers, port=0, extra_env=env, metrics=True)) as mesh:
         assert mesh.router is not None
         channel = grpc.insecure_channel(mesh.router.address)
@@ -156,8 +162,12 @@ def run_sessions(args: argparse.Namespace) -> None:
             started = time.monotonic()
             with ThreadPoolExecutor(args.sessions) as pool:
                 runs = list(pool.map(lambda sk: chat_turns(stub, args, *sk), zip(systems, keys, strict=True)))
-            first[mode] += [r[0] for r in runs]
-            later[mode] += [t for r in runs for t in r[1:]]
+            first[mode] += [r[0][0] for r in runs]
+            later[mode] += [t[0] for r in runs for t in r[1:]]
+            for r in runs:
+                for _, cached, prompt in r[1:]:
+                    reused[mode][0] += cached
+                    reused[mode][1] += prompt
             table = operator.GetRoutingTable(router_pb2.GetRoutingTableRequest()).workers
             split = "/".join(str(w.served_total - served.get(w.address, 0)) for w in table)
             print(
@@ -169,19 +179,23 @@ def run_sessions(args: argparse.Namespace) -> None:
             placed = [
                 line
                 for line in answer.read().decode().splitlines()
-                if line.startswith("tokenmesh_router_placements_total")
+                if line.startswith(("tokenmesh_router_placements_total", "tokenmesh_router_migrations_total"))
             ]
     print(
         f"\n{args.sessions} chats at once x {args.turns} turns, system prompts of ~{args.system_tokens} tokens, "
         f"{args.max_tokens} output tokens a turn, {args.workers} workers, {args.blocks} alternating blocks"
     )
-    print(f"{'placement':10} {'turn 1 p50 s':>13} {'later p50 s':>12} {'later p99 s':>12} {'later turns':>12}")
+    print(
+        f"{'placement':10} {'turn 1 p50 s':>13} {'later p50 s':>12} {'later p99 s':>12} {'later turns':>12}"
+        f" {'cached':>7}"
+    )
     for mode in ("session", "prefix"):
+        cached, prompt = reused[mode]
         print(
             f"{mode:10} {percentile(first[mode], 50):13.3f} {percentile(later[mode], 50):12.3f} "
-            f"{percentile(later[mode], 99):12.3f} {len(later[mode]):12d}"
+            f"{percentile(later[mode], 99):12.3f} {len(later[mode]):12d} {cached / max(prompt, 1):7.1%}"
         )
-    print("router placements over all blocks:", "; ".join(placed))
+    print("router placements and migrations over all blocks:", "; ".join(placed))
     ratio = percentile(later["session"], 50) / percentile(later["prefix"], 50)
     print(f"session / prefix TTFT p50 of later turns: {ratio:.3f} (target <= 1.0)")
 
