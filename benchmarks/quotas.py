@@ -55,6 +55,8 @@ QUOTA = 1000
 """Tokens per minute: the issue's figure."""
 WINDOW_S = 60.0
 API_KEY = "sk-quotas-bench"
+PROMPT_RESERVED = 3 + 4
+"""What the router reserves for a prompt qNN: one token per byte, plus 4 for a raw prompt's special tokens."""
 
 
 @dataclasses.dataclass
@@ -70,6 +72,17 @@ class Burst:
     errors: list[str] = dataclasses.field(default_factory=list)
     """Anything that was neither admitted nor refused by the quota."""
     seconds: float = 0.0
+    first_refusal_s: float | None = None
+    """Seconds from the burst's start to its first refusal (a refusal waits for nothing)."""
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    def refused(self, kind: str, hint_s: float | None) -> None:
+        """Count one refusal: its kind and retry hint (None: it has none)."""
+        self.refusals.append(kind)
+        if hint_s is not None:
+            self.retry_hints_s.append(hint_s)
+        if self.first_refusal_s is None:
+            self.first_refusal_s = time.monotonic() - self.started
 
     def line(self) -> str:
         """The burst's figures on one line."""
@@ -83,7 +96,7 @@ class Burst:
         return (
             f"served {self.served} tokens (quota {QUOTA}); admitted {self.admitted}, refused {len(self.refusals)}"
             f" ({', '.join(kinds) or '-'}{hints}); other errors {len(self.errors)} {self.errors[:2]};"
-            f" {self.seconds:.1f} s"
+            f" first refusal after {self.first_refusal_s or 0:.2f} s, all done after {self.seconds:.1f} s"
         )
 
 
@@ -100,17 +113,13 @@ async def grpc_burst(address: str, requests: int, max_tokens: int) -> Burst:
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     burst.errors.append(f"{exc.code().name}: {exc.details()}")
                     return
-                kind, hint = refusal_of(exc)
-                burst.refusals.append(kind)
-                if hint is not None:
-                    burst.retry_hints_s.append(hint)
+                burst.refused(*refusal_of(exc))
                 return
         burst.admitted += 1
         burst.served += chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
 
-    started = time.monotonic()
     await asyncio.gather(*(one(i) for i in range(requests)))
-    burst.seconds = time.monotonic() - started
+    burst.seconds = time.monotonic() - burst.started
     return burst
 
 
@@ -129,15 +138,14 @@ async def gateway_burst(url: str, requests: int, max_tokens: int) -> tuple[Burst
                 burst.admitted += 1
                 burst.served += usage["prompt_tokens"] + usage["completion_tokens"]
             elif response.status_code == 429:
-                burst.refusals.append(f"429 {response.json()['error']['code']}")
-                if "retry-after-ms" in response.headers:
-                    burst.retry_hints_s.append(int(response.headers["retry-after-ms"]) / 1000)
+                hint_ms = response.headers.get("retry-after-ms")
+                burst.refused(f"429 {response.json()['error']['code']}", int(hint_ms) / 1000 if hint_ms else None)
             else:
                 burst.errors.append(f"{response.status_code}: {response.text[:120]}")
 
-        started = time.monotonic()
+        burst.started = time.monotonic()
         await asyncio.gather(*(one(i) for i in range(requests)))
-        burst.seconds = time.monotonic() - started
+        burst.seconds = time.monotonic() - burst.started
     return burst, headers
 
 
@@ -197,7 +205,8 @@ async def phase_a(mesh: Mesh, server: RedisServer, args: argparse.Namespace) -> 
     url = str(mesh.gateway.info["url"])
     burst, headers = await gateway_burst(url, args.requests, args.max_tokens)
     print(f"(a) gateway, {args.requests} at once (one API key of {TENANT}): {burst.line()}")
-    print(f"    generations served by {delta(before, await served_by_process(address))}")
+    print(f"    generations served by {delta(before, await served_by_process(address))} (the gateway keeps one")
+    print("    connection per router address: one process)")
     print(f"    200: {ratelimit_headers(headers.get(200))}")
     print(f"    429: {ratelimit_headers(headers.get(429))}")
 
@@ -211,7 +220,9 @@ async def phase_b(mesh: Mesh, server: RedisServer, args: argparse.Namespace) -> 
     before = await served_by_process(address)
     burst = await grpc_burst(address, args.requests, args.max_tokens)
     print(f"(b) Redis (pid {pid}) stopped; gRPC, {args.requests} at once: {burst.line()}")
-    print(f"    generations served by {delta(before, await served_by_process(address))}")
+    print(f"    generations served by {delta(before, await served_by_process(address))} (each process's share:")
+    need = PROMPT_RESERVED + args.max_tokens
+    print(f"    {QUOTA} / 2 = {QUOTA // 2} tokens, {QUOTA // 2 // need} reservations of {need})")
     up = router_samples(mesh, "tokenmesh_router_quota_store_up")
     print(f"    tokenmesh_router_quota_store_up by process: {up}")
 
