@@ -34,6 +34,10 @@ from tokenmesh.worker.triton import synthetic_repository as synthetic_repository
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.support.processes import cpu_seconds as cpu_seconds  # noqa: E402
 from tests.support.processes import descendants as descendants  # noqa: E402
+from tests.support.quotas import OWN_CONNECTION as OWN_CONNECTION  # noqa: E402
+from tests.support.quotas import refusal_of as refusal_of  # noqa: E402
+from tests.support.quotas import served_by_process as served_by_process  # noqa: E402
+from tests.support.redis_server import RedisServer as RedisServer  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
