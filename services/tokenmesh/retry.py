@@ -2,7 +2,9 @@
 
 Only transient failures are retried: ``UNAVAILABLE`` (a peer restarting, a
 connection refused or cut), ``RESOURCE_EXHAUSTED`` when the server put a
-retry hint in its status details (``RetryInfo``; then the wait is at least the hint),
+retry hint in its status details (``RetryInfo``; then the wait is at least the hint,
+and a hint that ends past the deadline ends the retries at once: the caller gets the
+refusal and its hint now rather than at the deadline, e.g. a quota's "retry in 51 s"),
 and the errors our own code raises for a peer that did not answer in time or
 ended a stream that should stay open (:class:`TimeoutError`,
 :class:`ConnectionError`). Anything else (UNIMPLEMENTED: the address is some
@@ -180,8 +182,15 @@ class Reconnect:
         return self.wait_s(state.outcome.exception() if state.outcome is not None else None)
 
     def _stop(self, state: tenacity.RetryCallState) -> bool:
+        return self._out_of_time(state.outcome.exception() if state.outcome is not None else None)
+
+    def _out_of_time(self, exc: BaseException | None) -> bool:
+        """The deadline has passed, or the server's hint (if any) asks for a wait past it."""
         remaining = self.remaining_s()
-        return remaining is not None and remaining <= 0
+        if remaining is None:
+            return False
+        hint = retry_hint_s(exc) if exc is not None else None
+        return remaining <= 0 or (hint is not None and hint > remaining)
 
     def _count(self, exc: BaseException | None) -> None:
         self.failures += 1
@@ -208,8 +217,7 @@ class Reconnect:
         the loop's owner decides what to tell); otherwise waits as
         :meth:`run` would before its next attempt.
         """
-        remaining = self.remaining_s()
-        if not retry_on(exc) or (remaining is not None and remaining <= 0):
+        if not retry_on(exc) or self._out_of_time(exc):
             raise exc
         self._count(exc)
         await asyncio.sleep(self.wait_s(exc))

@@ -142,6 +142,29 @@ async def test_a_retry_hint_is_honoured_and_connected_starts_the_count_afresh() 
     assert reconnect.failures == 1  # counted afresh after connected()
 
 
+async def test_a_hint_past_the_deadline_ends_the_retries_at_once_with_the_refusal() -> None:
+    """A quota's "retry in 50 s" under a 10 s deadline: waiting could not succeed in time, so no wait at all."""
+    calls: list[float] = []
+
+    async def attempt() -> None:
+        calls.append(time.monotonic())
+        raise _error(grpc.StatusCode.RESOURCE_EXHAUSTED, _hint(50 if len(calls) > 1 else 0.05))
+
+    reconnect = Reconnect("call", "peer:1", Backoff(initial_s=0.001, max_s=0.01, deadline_s=10), loud=False)
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await reconnect.run(attempt)
+    assert len(calls) == 2  # the short hint was waited for and retried; the long one was not
+    assert time.monotonic() - started < 1
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    step = Reconnect("call", "peer:1", Backoff(deadline_s=10))
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError):
+        await step.failed(_error(grpc.StatusCode.RESOURCE_EXHAUSTED, _hint(50)))
+    assert time.monotonic() - started < 1
+    await step.failed(_error(grpc.StatusCode.RESOURCE_EXHAUSTED, _hint(0.01)))  # within it: waited, not raised
+
+
 async def test_a_write_after_the_peer_ended_the_stream_raises_its_status() -> None:
     """grpc raises a bare InvalidStateError there; the policy needs the status to decide."""
     from tokenmesh.retry import write

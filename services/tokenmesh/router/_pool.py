@@ -11,10 +11,13 @@ The default policy, ``prefix``, first tries the worker whose KV cache holds the 
 prefix (rendezvous hashing), and yields to balance when that worker is more
 loaded than the least loaded candidate by more than the warm prefix saves
 (see :func:`affinity_slack`). A request with a session key (``labels["session"]``)
-is placed by the key instead (:func:`affinity_of`): every turn of the conversation
-goes to the key's first worker in rendezvous order while that worker is under the
-load bound plus what the history saves (:meth:`Affinity.fits`), so every router
-picks the same one without sharing any state.
+is placed by the key instead (:func:`affinity_of`): a conversation's opening turn
+goes to the first worker in the key's rendezvous order that keeps the load
+balanced (nothing of it is cached anywhere yet), and every later turn to the
+worker of its previous turn while that worker is under the load bound plus what
+the history saves (:meth:`Affinity.fits`); a router that has not placed the
+session (another router's, or one restarted) uses the key's rendezvous order,
+which every router computes alike without sharing any state.
 ``least-loaded`` (no affinity) and ``round-robin`` exist to measure the difference.
 """
 
@@ -25,7 +28,7 @@ import hashlib
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -76,6 +79,8 @@ POLICIES = ("prefix", "least-loaded", "round-robin")
 """Worker selection policies (see WorkerPool.pick)."""
 LOAD_BOUND = 1.25
 """Prefix policy: a worker above this multiple of the average load is skipped for its prefixes."""
+SESSIONS_REMEMBERED = 65_536
+"""Sessions whose latest worker a router remembers (least recently placed forgotten first; ~100 bytes each)."""
 CEILING_GROWTH_S = 1.0
 """After a worker refused a start, this router's allowance there grows back one step per this many seconds
 (additive increase: a full worker shared by several routers sees a few refused starts a second, not one per start)."""
@@ -111,6 +116,9 @@ class Affinity:
     :func:`affinity_slack`)."""
     source: str = ""
     """What the key is: 'session', 'prefix' or '' (for spans and docs)."""
+    opening: bool = False
+    """A session's opening turn (a chat with no assistant message yet): nothing of the conversation is cached, so it
+    is placed for balance, as a prefix with no slack, and its later turns follow it."""
 
     @classmethod
     def prefix(cls, key: str) -> Affinity:
@@ -118,12 +126,15 @@ class Affinity:
         return cls(key, affinity_slack(key), "prefix") if key else NO_AFFINITY
 
     @classmethod
-    def session(cls, key: str, history_chars: int = 0) -> Affinity:
+    def session(cls, key: str, history_chars: int = 0, opening: bool = False) -> Affinity:
         """A conversation's (``labels["session"]``): its worker while under the load bound plus its slack.
 
-        The slack is what the conversation's history (everything but the last message) saves, as for a prefix.
+        The slack is what the conversation's history (everything but the last message) saves, as for a prefix;
+        an opening turn has none (:attr:`opening`).
         """
-        return cls(key, 1 + history_chars // PREFIX_CHARS_PER_SLOT, "session") if key else NO_AFFINITY
+        if not key:
+            return NO_AFFINITY
+        return cls(key, 0 if opening else 1 + history_chars // PREFIX_CHARS_PER_SLOT, "session", opening)
 
     def fits(self, in_flight: int, bound: int, least: int) -> bool:
         """Whether a worker running in_flight generations takes the request.
@@ -136,7 +147,7 @@ class Affinity:
         one). So a session stays up to the bound plus its slack, and never yields to the least loaded as such:
         an idle mesh does not scatter two conversations that hash to one worker.
         """
-        if self.source == "session":
+        if self.source == "session" and not self.opening:
             return in_flight < bound + self.slack
         return in_flight < bound and in_flight - least <= self.slack
 
@@ -151,6 +162,8 @@ def affinity_of(request: inference_pb2.GenerateRequest) -> Affinity:
     if not session:
         return Affinity.prefix(prefix_key(request))
     if request.messages:
+        if all(m.role != "assistant" for m in request.messages):
+            return Affinity.session(session, opening=True)
         history = sum(len(m.role) + len(m.content) + 2 for m in request.messages[:-1])
     else:
         history = len(request.prompt)  # a completion's prompt carries the conversation so far
@@ -201,9 +214,11 @@ class WorkerPool:
     """The table in force says the prober reaches none of its (two or more) workers: this router routes on its own
     health view."""
     placements: Counter[tuple[str, str]]
-    """Generations placed, by (affinity: 'session', 'prefix' or 'none'; choice: 'first' (the key's first live
-    worker), 'next' (a later one: the first was full or over the load bound), 'least' (the least loaded),
-    'turn' (round-robin)). Bounded: 3 x 4 label pairs."""
+    """Generations placed, by (affinity: 'session', 'prefix' or 'none'; choice: 'last' (a session's worker of its
+    previous turn), 'first' (the key's first live worker), 'next' (a later one: the first was full or over the
+    load bound), 'least' (the least loaded), 'turn' (round-robin)). Bounded: 3 x 5 label pairs."""
+    sessions: OrderedDict[str, str]
+    """Session key -> the worker address this router last placed it on, least recently placed first."""
     _turn: int
     _listeners: list[Callable[[], None]]
     _listed: dict[str, router_pb2.WorkerWeight]
@@ -215,6 +230,7 @@ class WorkerPool:
         self.share = share
         self._turn = 0
         self.placements = Counter()
+        self.sessions = OrderedDict()
         self.version = 0
         self.received_at = 0.0
         self.propagation_ms = 0.0
@@ -459,7 +475,7 @@ class WorkerPool:
         if self.policy == "round-robin":
             ordered = sorted(candidates, key=lambda e: e.address)
             self._turn += 1
-            return self._placed(ordered[self._turn % len(ordered)], "none", "turn")
+            return self._placed(ordered[self._turn % len(ordered)], NO_AFFINITY, "turn")
         best = max(self.effective_weight(e) for e in candidates)
         least = min(candidates, key=lambda e: self._load_order(e, best))
         key = affinity.key
@@ -470,16 +486,26 @@ class WorkerPool:
             # average (one hot key cannot swamp one worker) or, for a prefix, more
             # than its slack above the least loaded candidate (balance wins over a
             # short prefix): Affinity.fits.
+            # A session's later turn tries first the worker of its previous turn, which holds its history
+            # (after a yield, or an opening turn placed for balance, that is not the key's first choice).
             bound = math.ceil(LOAD_BOUND * (sum(e.in_flight for e in live) + 1) / len(live))
             free = set(candidates)
+            last = None if affinity.opening else self.entries.get(self.sessions.get(key, ""))
+            if last is not None and last in free and affinity.fits(last.in_flight, bound, least.in_flight):
+                return self._placed(last, affinity, "last")
             ordered = sorted(live, key=lambda e: _rendezvous(key, e.address), reverse=True)
             for rank, entry in enumerate(ordered):
                 if entry in free and affinity.fits(entry.in_flight, bound, least.in_flight):
-                    return self._placed(entry, affinity.source, "next" if rank else "first")
-        return self._placed(least, affinity.source or "none", "least")
+                    return self._placed(entry, affinity, "next" if rank else "first")
+        return self._placed(least, affinity, "least")
 
-    def _placed(self, entry: WorkerEntry, affinity: str, choice: str) -> WorkerEntry:
-        self.placements[affinity, choice] += 1
+    def _placed(self, entry: WorkerEntry, affinity: Affinity, choice: str) -> WorkerEntry:
+        self.placements[affinity.source or "none", choice] += 1
+        if affinity.source == "session":
+            self.sessions[affinity.key] = entry.address
+            self.sessions.move_to_end(affinity.key)
+            if len(self.sessions) > SESSIONS_REMEMBERED:
+                self.sessions.popitem(last=False)
         return entry
 
     def _load_order(self, entry: WorkerEntry, best: float) -> tuple[float, bool, int, float]:
