@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tokenmesh.worker import GenerationParams, ModelSpec, parse_adapters
-from tokenmesh.worker._servicer import model_infos
+from tokenmesh.worker import AdapterState, GenerationParams, ModelSpec, parse_adapters
+from tokenmesh.worker._servicer import loaded_adapters, model_infos
 from tokenmesh.worker.triton import SHIPPED_REPOSITORIES, build_request, decode_first
 
 
@@ -68,6 +68,15 @@ def test_describe_lists_each_model_then_its_adapters_as_models_of_that_base() ->
         ("smollm2:terse", "smollm2", False, 2048),
         ("other", "", False, 512),
     ]
+    # The engine says which it has loaded: the others are listed not_loaded (a request loads them), and only the
+    # loaded ones are in the loaded gauge.
+    state = AdapterState(loaded=frozenset({("smollm2", "terse")}), loads={}, unloads={})
+    assert [(i.name, i.not_loaded) for i in model_infos(specs, state) if i.base] == [
+        ("smollm2:demo", True),
+        ("smollm2:terse", False),
+    ]
+    assert loaded_adapters(specs, state) == [("smollm2", "terse")]
+    assert loaded_adapters(specs, None) == [("smollm2", "demo"), ("smollm2", "terse")]
 
 
 def test_the_request_to_triton_names_the_adapter_as_the_vllm_backend_does() -> None:
