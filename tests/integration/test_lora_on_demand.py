@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.lora import lora_repository, write_adapter
 from tokenmesh.v1 import inference_pb2
+from tokenmesh.worker.triton import TritonBackend, TritonBackendConfig, TritonProcessConfig
 
 from .conftest import MeshHandle, running_mesh
 
@@ -91,6 +92,26 @@ def loads(mesh: MeshHandle) -> dict[str, tuple[float, float]]:
 
 def loaded(mesh: MeshHandle) -> set[str]:
     return {a for (name, a), v in adapter_metrics(mesh).items() if name == "tokenmesh_worker_adapter_loaded" and v}
+
+
+async def test_a_max_loras_that_is_not_a_positive_integer_fails_the_model_naming_the_parameter(
+    tmp_path: Path, demo_adapter: Path
+) -> None:
+    """Run first, before the module's meshes start (one model process at a time)."""
+    repository = lora_repository(tmp_path, {"demo": demo_adapter}, max_loras="0")
+    process = TritonProcessConfig(work_dir=tmp_path / "triton", model_repository=repository, start_timeout_s=120)
+    backend = TritonBackend(TritonBackendConfig(process=process))
+    try:
+        with pytest.raises(RuntimeError, match="tritonserver exited during start"):
+            await backend.start()
+    finally:
+        await backend.stop()
+    # Triton's log, whose tail the worker's start error quotes, says which model failed and why.
+    why = (
+        "failed to load 'smollm2' version 1: Internal: TritonModelException: max_loras: '0' is not a positive "
+        "integer (the most LoRA adapters loaded at once; empty = every adapter lora_adapters declares)"
+    )
+    assert why in (tmp_path / "triton" / "tritonserver.log").read_text()
 
 
 def test_a_b_a_in_turn_each_answer_as_loaded_with_the_model_and_each_swap_is_counted(

@@ -29,12 +29,12 @@ def write_adapter(path: Path, **settings: object) -> Path:
     return written
 
 
-def lora_repository(folder: Path, adapters: dict[str, Path], max_loras: int | None = None) -> Path:
+def lora_repository(folder: Path, adapters: dict[str, Path], max_loras: int | str | None = None) -> Path:
     """A copy of the shipped SmolLM2 repository in folder whose model declares adapters (name -> GGUF file).
 
     Each file is copied into the model's folder (``smollm2/adapters/<name>.gguf``) and declared by that
     relative path, as the documented example does: the repository travels whole (the worker copies it).
-    ``max_loras``: the most loaded at once (None: the model's default, every declared one).
+    ``max_loras``: the most loaded at once (None: the model's default, every declared one; a str as written).
     """
     repository = folder / "smollm2_repository"
     shutil.copytree(SHIPPED_REPOSITORIES["smollm2"], repository, ignore=shutil.ignore_patterns("__pycache__"))
