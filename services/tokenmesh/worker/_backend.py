@@ -100,11 +100,17 @@ AdapterKey = tuple[str, str]
 class AdapterState:
     """The engine's LoRA adapters as it reports them: those loaded now, and its loads and unloads so far."""
 
+    reporting: frozenset[str]
+    """The models that report their adapters (another model's adapters all count as loaded)."""
     loaded: frozenset[AdapterKey]
     loads: Mapping[AdapterKey, int]
     """Loads since the engine started, the loads with its models included."""
     unloads: Mapping[AdapterKey, int]
     """Evictions since the engine started (a load at the bound evicts the least recently used)."""
+
+    def has_loaded(self, model: str, adapter: str) -> bool:
+        """Whether the engine has model's adapter loaded now (True for a model that does not say)."""
+        return model not in self.reporting or (model, adapter) in self.loaded
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,8 @@ Target = tuple[ModelSpec, str]
 def model_infos(models: list[ModelSpec], adapters: AdapterState | None = None) -> list[inference_pb2.ModelInfo]:
     """What Describe lists: each model (the first is the default), then each of its adapters as a model.
 
-    An adapter the engine reports not loaded is marked ``not_loaded``; with no report (None), all count as loaded.
+    An adapter the engine reports not loaded is marked ``not_loaded``; those of a model that does not report (or
+    with no report at all: None) count as loaded.
     """
     infos = []
     for i, m in enumerate(models):
@@ -41,7 +42,7 @@ def model_infos(models: list[ModelSpec], adapters: AdapterState | None = None) -
                 max_context=m.max_context,
                 workers=1,
                 base=m.name,
-                not_loaded=adapters is not None and (m.name, a) not in adapters.loaded,
+                not_loaded=adapters is not None and not adapters.has_loaded(m.name, a),
             )
             for a in m.adapters
         ]
@@ -50,7 +51,7 @@ def model_infos(models: list[ModelSpec], adapters: AdapterState | None = None) -
 
 def loaded_adapters(models: list[ModelSpec], adapters: AdapterState | None) -> list[AdapterKey]:
     """(model, adapter) of each declared adapter the engine has loaded (all of them while it has not said)."""
-    return [(m.name, a) for m in models for a in m.adapters if adapters is None or (m.name, a) in adapters.loaded]
+    return [(m.name, a) for m in models for a in m.adapters if adapters is None or adapters.has_loaded(m.name, a)]
 
 
 def _start_command(first: worker_pb2.WorkerCommand | None) -> worker_pb2.WorkerCommand:

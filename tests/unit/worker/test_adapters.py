@@ -60,23 +60,27 @@ def test_parse_adapters_reads_the_names_in_order() -> None:
 def test_describe_lists_each_model_then_its_adapters_as_models_of_that_base() -> None:
     specs = [
         ModelSpec(name="smollm2", max_context=2048, slots=4, adapters=("demo", "terse")),
-        ModelSpec(name="other", max_context=512, slots=2),
+        ModelSpec(name="other", max_context=512, slots=2, adapters=("x",)),
     ]
     assert [(i.name, i.base, i.is_default, i.max_context) for i in model_infos(specs)] == [
         ("smollm2", "", True, 2048),
         ("smollm2:demo", "smollm2", False, 2048),
         ("smollm2:terse", "smollm2", False, 2048),
         ("other", "", False, 512),
+        ("other:x", "other", False, 512),
     ]
     # The engine says which it has loaded: the others are listed not_loaded (a request loads them), and only the
     # loaded ones are in the loaded gauge.
-    state = AdapterState(loaded=frozenset({("smollm2", "terse")}), loads={}, unloads={})
+    state = AdapterState(
+        reporting=frozenset({"smollm2"}), loaded=frozenset({("smollm2", "terse")}), loads={}, unloads={}
+    )
     assert [(i.name, i.not_loaded) for i in model_infos(specs, state) if i.base] == [
         ("smollm2:demo", True),
         ("smollm2:terse", False),
+        ("other:x", False),  # a model that does not report its adapters: they count as loaded
     ]
-    assert loaded_adapters(specs, state) == [("smollm2", "terse")]
-    assert loaded_adapters(specs, None) == [("smollm2", "demo"), ("smollm2", "terse")]
+    assert loaded_adapters(specs, state) == [("smollm2", "terse"), ("other", "x")]
+    assert loaded_adapters(specs, None) == [("smollm2", "demo"), ("smollm2", "terse"), ("other", "x")]
 
 
 def test_the_request_to_triton_names_the_adapter_as_the_vllm_backend_does() -> None:

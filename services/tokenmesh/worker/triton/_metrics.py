@@ -45,6 +45,7 @@ def parse_metrics(metrics: str) -> tuple[int | None, AdapterState | None]:
     adapters = None
     if loaded:
         adapters = AdapterState(
+            reporting=frozenset(model for model, _ in loaded),
             loaded=frozenset(k for k, v in loaded.items() if v),
             loads=found[ADAPTER_LOADS],
             unloads=found[ADAPTER_UNLOADS],

@@ -62,7 +62,7 @@ ADAPTERS = (
 def test_the_models_adapter_metrics_give_the_loaded_set_and_the_load_counts() -> None:
     pending, adapters = parse_metrics(HEADER + 'nv_inference_pending_request_count{model="smollm2"} 1\n' + ADAPTERS)
     assert pending == 1 and adapters is not None
-    assert adapters.loaded == {("smollm2", "b")}
+    assert adapters.reporting == {"smollm2"} and adapters.loaded == {("smollm2", "b")}
     assert adapters.loads == {("smollm2", "a"): 2, ("smollm2", "b"): 1}
     assert adapters.unloads == {("smollm2", "a"): 2, ("smollm2", "b"): 0}
     assert parse_metrics(OTHER) == (None, None)  # no model reports adapters: every declared one counts as loaded
