@@ -9,7 +9,8 @@ deltas and the last one carries ``finish_reason`` and the token counts, with
 the TRITONSERVER_RESPONSE_COMPLETE_FINAL flag, and the prompt tokens llama.cpp
 took from its cache (a slot still holding an earlier prompt, or the host-RAM
 prompt cache) instead of computing them. A cancelled request (the gRPC
-stream went away) stops its slot at the next token.
+stream went away) stops its slot at the next token. LoRA adapters the
+repository declares load on demand, at most ``max_loras`` at once (_Engines).
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ class TritonPythonModel:
     """Triton entry point: ``initialize``, ``execute``, ``finalize``."""
 
     def initialize(self, args: dict[str, Any]) -> None:
-        """Load the GGUF into a llama.cpp server with ``n_parallel`` slots."""
+        """Load the GGUF into a llama.cpp server with ``n_parallel`` slots and the first ``max_loras`` adapters."""
         _exit_with_triton()
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
