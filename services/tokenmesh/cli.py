@@ -384,7 +384,8 @@ async def _models(args: argparse.Namespace) -> int:
         stub = inference_pb2_grpc.InferenceStub(channel)
         response = await stub.ListModels(inference_pb2.ListModelsRequest(), timeout=5)
     for m in response.models:
-        default = " (default)" if m.is_default else f" (LoRA adapter of {m.base})" if m.base else ""
+        loaded = ", loaded on demand" if m.not_loaded else ""
+        default = " (default)" if m.is_default else f" (LoRA adapter of {m.base}{loaded})" if m.base else ""
         print(f"{m.name}{default}  context {m.max_context} tokens  on {m.workers} worker(s)")
     return 0
 

@@ -1,4 +1,4 @@
-"""Two real SmolLM2 workers, the adapter loaded on one: its requests go there, the base model's to either.
+"""Two real SmolLM2 workers that both declare an adapter, loaded on one: its requests go there while it has room.
 
 Each worker is started on its own (as two pods with different model repositories would be), the router in front
 names both. The router learns from each worker's Describe which models it serves; an adapter is one of them.
@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.dns_server import free_port_on
-from tests.support.lora import lora_repository
+from tests.support.lora import lora_repository, write_adapter
 from tokenmesh.mesh import Mesh, MeshConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -23,7 +25,8 @@ from .conftest import left_behind, mesh_pids
 pytestmark = pytest.mark.integration
 
 HOST = "127.0.0.1"
-ADAPTER_REQUESTS = 6
+SEQUENTIAL = 4
+BURST = 12
 
 
 def served(channel: grpc.Channel) -> dict[str, int]:
@@ -43,28 +46,52 @@ def wait_serving(channel: grpc.Channel, count: int, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def generate(channel: grpc.Channel, model: str, i: int) -> str:
-    request = inference_pb2.GenerateRequest(model=model, prompt=f"Count to {i + 3}:", max_tokens=4, seed=i)
+def generate(channel: grpc.Channel, model: str, i: int, max_tokens: int = 4) -> str:
+    request = inference_pb2.GenerateRequest(
+        model=model, prompt=f"Count to {i + 3}:", max_tokens=max_tokens, seed=i, temperature=0.0
+    )
     chunks = list(inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=180))
     assert chunks[-1].finish_reason in (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH)
     return "".join(c.text for c in chunks)
 
 
-def test_an_adapters_requests_go_to_the_worker_that_loaded_it(tmp_path: Path, demo_adapter: Path) -> None:
-    with_adapter = lora_repository(tmp_path / "a", {"demo": demo_adapter})
-    without = lora_repository(tmp_path / "b", {})
+def adapter_counts(metrics_url: str) -> dict[tuple[str, str], float]:
+    """A worker's adapter loads and unloads: (sample name, adapter) -> value."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as response:  # noqa: S310 - our own worker
+        text = response.read().decode()
+    return {
+        (sample.name.removeprefix("tokenmesh_worker_adapter_"), sample.labels["adapter"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name in ("tokenmesh_worker_adapter_loads", "tokenmesh_worker_adapter_unloads")
+        for sample in family.samples
+    }
+
+
+def test_an_adapters_requests_go_to_the_worker_that_has_it_loaded_while_it_has_room(
+    tmp_path: Path, demo_adapter: Path
+) -> None:
+    """Both workers declare ``demo``; worker 0 loaded it, worker 1 (max_loras 1) loaded ``other`` instead.
+
+    One at a time, every demo request goes to worker 0 (without the preference they would alternate). A burst
+    beyond worker 0's room spills to worker 1, which loads demo once for all of them and answers the same.
+    """
+    other = write_adapter(tmp_path / "other.gguf", seed=1)
+    repositories = (
+        lora_repository(tmp_path / "a", {"demo": demo_adapter}),
+        lora_repository(tmp_path / "b", {"other": other, "demo": demo_adapter}, max_loras=1),
+    )
     addresses = [f"{HOST}:{free_port_on(HOST)}" for _ in range(2)]
-    mesh = Mesh(MeshConfig(port=0, log_dir=str(tmp_path / "logs")))
+    mesh = Mesh(MeshConfig(port=0, log_dir=str(tmp_path / "logs"), metrics=True))
     pids: list[int] = []
     try:
-        for i, repository in enumerate((with_adapter, without)):
+        for i, repository in enumerate(repositories):
             port = addresses[i].rsplit(":", 1)[1]
             mesh.workers.append(
                 mesh.spawn(
                     f"worker-{i}",
                     "worker",
                     *("--host", HOST, "--port", port, "--work-dir", str(tmp_path / f"worker-{i}")),
-                    *("--model-repository", str(repository)),
+                    *("--model-repository", str(repository), "--slots", "2"),
                 )
             )
         mesh.router = mesh.spawn("router", "router", "--host", HOST, "--port", "0", "--workers", ",".join(addresses))
@@ -73,16 +100,35 @@ def test_an_adapters_requests_go_to_the_worker_that_loaded_it(tmp_path: Path, de
         with grpc.insecure_channel(mesh.router.address) as channel:
             wait_serving(channel, 2, timeout_s=120)
             listed = inference_pb2_grpc.InferenceStub(channel).ListModels(inference_pb2.ListModelsRequest(), timeout=5)
-            assert sorted(m.name for m in listed.models) == ["smollm2", "smollm2:demo"]
+            assert sorted((m.name, m.not_loaded) for m in listed.models) == [
+                ("smollm2", False),
+                ("smollm2:demo", False),  # loaded on a live worker
+                ("smollm2:other", False),
+            ]
             before = served(channel)
-            with concurrent.futures.ThreadPoolExecutor(ADAPTER_REQUESTS) as pool:
-                texts = list(pool.map(lambda i: generate(channel, "smollm2:demo", i), range(ADAPTER_REQUESTS)))
+            texts = [generate(channel, "smollm2:demo", i) for i in range(SEQUENTIAL)]
             after = served(channel)
             assert all(texts)
-            assert after[addresses[0]] - before[addresses[0]] == ADAPTER_REQUESTS  # all on the adapter's worker
+            assert after[addresses[0]] - before[addresses[0]] == SEQUENTIAL  # all on the worker that has it loaded
             assert after[addresses[1]] == before[addresses[1]]
-            base = generate(channel, "smollm2", 0)  # the base model is still served (by either worker)
-            assert base
+            worker_1 = mesh.metrics_urls["worker-1"]
+            assert adapter_counts(worker_1) == {
+                ("loads_total", "other"): 1,
+                ("loads_total", "demo"): 0,
+                ("unloads_total", "other"): 0,
+                ("unloads_total", "demo"): 0,
+            }
+            with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+                burst = list(pool.map(lambda _: generate(channel, "smollm2:demo", 0, max_tokens=16), range(BURST)))
+            spilled = served(channel)[addresses[1]] - after[addresses[1]]
+            assert 0 < spilled < BURST  # worker 0 had no room for all of them; worker 1 took the rest
+            assert len(set(burst)) == 1  # the same prompt and seed: the same answer where demo was loaded for it
+            deadline = time.monotonic() + 10  # the worker reads its engine's counts each second
+            while adapter_counts(worker_1)[("loads_total", "demo")] != 1:
+                assert time.monotonic() < deadline, adapter_counts(worker_1)
+                time.sleep(0.2)
+            assert adapter_counts(worker_1)[("unloads_total", "other")] == 1  # one load for all it took
+            assert generate(channel, "smollm2", 0)  # the base model is still served (by either worker)
     finally:
         pids += [pid for pid in mesh_pids(mesh) if pid not in pids]
         mesh.stop()

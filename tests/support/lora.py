@@ -29,11 +29,12 @@ def write_adapter(path: Path, **settings: object) -> Path:
     return written
 
 
-def lora_repository(folder: Path, adapters: dict[str, Path]) -> Path:
-    """A copy of the shipped SmolLM2 repository in folder whose model loads adapters (name -> GGUF file).
+def lora_repository(folder: Path, adapters: dict[str, Path], max_loras: int | str | None = None) -> Path:
+    """A copy of the shipped SmolLM2 repository in folder whose model declares adapters (name -> GGUF file).
 
     Each file is copied into the model's folder (``smollm2/adapters/<name>.gguf``) and declared by that
     relative path, as the documented example does: the repository travels whole (the worker copies it).
+    ``max_loras``: the most loaded at once (None: the model's default, every declared one; a str as written).
     """
     repository = folder / "smollm2_repository"
     shutil.copytree(SHIPPED_REPOSITORIES["smollm2"], repository, ignore=shutil.ignore_patterns("__pycache__"))
@@ -45,5 +46,9 @@ def lora_repository(folder: Path, adapters: dict[str, Path]) -> Path:
     pattern = r'(parameters { key: "lora_adapters" value: { string_value: ")[^"]*(" } })'
     text, found = re.subn(pattern, rf"\g<1>{value}\g<2>", config.read_text())
     assert found == 1, "the shipped config.pbtxt declares no lora_adapters parameter"
+    if max_loras is not None:
+        pattern = r'(parameters { key: "max_loras" value: { string_value: ")[^"]*(" } })'
+        text, found = re.subn(pattern, rf"\g<1>{max_loras}\g<2>", text)
+        assert found == 1, "the shipped config.pbtxt declares no max_loras parameter"
     config.write_text(text)
     return repository

@@ -297,6 +297,13 @@ class WorkerPool:
             entry.reason = reason
         self._changed()
 
+    def set_models(self, entry: WorkerEntry, described: worker_pb2.DescribeResponse) -> None:
+        """A worker's models read again (which LoRA adapters it has loaded changes with loads)."""
+        models = {m.name: m for m in described.models}
+        if models != entry.models:
+            entry.models = models
+            self._changed()
+
     def suspend(self, entry: WorkerEntry, seconds: float, reason: str) -> None:
         """Avoid entry for a while: it just failed a stream (faster than the prober can tell)."""
         entry.suspended_until = time.monotonic() + seconds
@@ -407,7 +414,9 @@ class WorkerPool:
                 continue
             for name, info in entry.models.items():
                 known = found.get(name)
-                found[name] = (known[0] if known else info, (known[1] if known else 0) + 1)
+                # not_loaded is the mesh's only while no live worker has the adapter loaded.
+                first = known[0] if known and not (known[0].not_loaded and not info.not_loaded) else info
+                found[name] = (first, (known[1] if known else 0) + 1)
         return found
 
     def resolve_model(self, name: str) -> inference_pb2.ModelInfo:
@@ -472,6 +481,12 @@ class WorkerPool:
         candidates = [e for e in live if e.in_flight < self.allowance(e)]
         if not candidates:
             return None
+        loaded = [e for e in candidates if not e.models[model].not_loaded]
+        if loaded and len(loaded) < len(candidates):
+            # A LoRA adapter goes where it is loaded while there is room there: elsewhere it costs a load (seconds,
+            # a new engine server) and evicts another adapter.
+            candidates = loaded
+            live = [e for e in live if not e.models[model].not_loaded]
         if self.policy == "round-robin":
             ordered = sorted(candidates, key=lambda e: e.address)
             self._turn += 1

@@ -30,7 +30,7 @@ from tokenmesh.router._inference import InferenceServicer
 from tokenmesh.router._link import LINK
 from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._peers import FORWARDED, Peers
-from tokenmesh.router._pool import WorkerPool
+from tokenmesh.router._pool import WorkerEntry, WorkerPool
 from tokenmesh.router._quotas import Quotas
 from tokenmesh.router._tables import check_table
 from tokenmesh.server import LINK_CHANNEL_OPTIONS, WORKER_CHANNEL_OPTIONS, ServiceHost, write_ready_file
@@ -39,6 +39,9 @@ from tokenmesh.tracing import Tracing, rpc_spans_for
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+MODELS_REFRESH_S = 1.0
+"""How often the router reads again the Describe of a worker serving LoRA adapters (its loaded set changes)."""
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -272,6 +275,7 @@ class Router(Service):
         reconnect = Reconnect("health watch", link.address, logger=log)
 
         async def session() -> None:
+            refresh = asyncio.create_task(self._refresh_models(stub, entry))
             try:
                 async for update in health.Watch(health_pb2.HealthCheckRequest(service="")):
                     reconnect.connected()
@@ -288,8 +292,27 @@ class Router(Service):
                 self.pool.set_health(entry, False, f"unreachable: {failure_name(exc)}")
                 self.inference.sessions.lost(link.address)  # restarted, perhaps upgraded: Link is asked again
                 raise
+            finally:
+                refresh.cancel()
 
         await reconnect.run(session)
+
+    async def _refresh_models(self, stub: worker_pb2_grpc.WorkerStub, entry: WorkerEntry) -> None:
+        """Read again the Describe of a serving worker with LoRA adapters: which it has loaded changes with loads.
+
+        A poll (every MODELS_REFRESH_S): a worker has no call that pushes its models; one Describe a second per
+        such worker is small beside its generations. A failed read is left to the health watch.
+        """
+        while True:
+            await asyncio.sleep(MODELS_REFRESH_S)
+            if not entry.healthy or not any(m.base for m in entry.models.values()):
+                continue
+            try:
+                described = await asyncio.wait_for(stub.Describe(worker_pb2.DescribeRequest()), 5)
+            except (grpc.aio.AioRpcError, TimeoutError) as exc:
+                log.debug("Describe of %s failed: %s", entry.address, failure_name(exc))
+                continue
+            self.pool.set_models(entry, described)
 
     async def _add_workers(self) -> None:
         while True:

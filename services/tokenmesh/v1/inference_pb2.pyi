@@ -160,18 +160,20 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_context", "is_default", "workers", "base")
+    __slots__ = ("name", "max_context", "is_default", "workers", "base", "not_loaded")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
+    NOT_LOADED_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_context: int
     is_default: bool
     workers: int
     base: str
-    def __init__(self, name: _Optional[str] = ..., max_context: _Optional[int] = ..., is_default: _Optional[bool] = ..., workers: _Optional[int] = ..., base: _Optional[str] = ...) -> None: ...
+    not_loaded: bool
+    def __init__(self, name: _Optional[str] = ..., max_context: _Optional[int] = ..., is_default: _Optional[bool] = ..., workers: _Optional[int] = ..., base: _Optional[str] = ..., not_loaded: _Optional[bool] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

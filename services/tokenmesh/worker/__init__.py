@@ -5,6 +5,7 @@ inference engine; ``tokenmesh.worker.triton`` implements it over Triton.
 """
 
 from tokenmesh.worker._backend import (
+    AdapterState,
     Backend,
     BackendError,
     Delta,
@@ -23,6 +24,7 @@ from tokenmesh.worker._service import Worker
 from tokenmesh.worker._servicer import WorkerServicer
 
 __all__ = [
+    "AdapterState",
     "AdaptiveLimit",
     "Backend",
     "BackendError",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from tokenmesh.v1 import worker_pb2
@@ -39,8 +39,8 @@ class ModelSpec:
     """It takes a ``messages`` input and applies its chat template (our models do; the stock vLLM backend
     takes a prompt only)."""
     adapters: tuple[str, ...] = ()
-    """LoRA adapters the engine loaded with the model (llama.cpp loads them only then), each served as the
-    model ``<name>:<adapter>``."""
+    """LoRA adapters the model's repository declares, each served as the model ``<name>:<adapter>`` (the engine
+    loads one on demand when it keeps fewer loaded: :class:`AdapterState`)."""
 
     def adapter_model(self, adapter: str) -> str:
         """The model name a request uses for one of this model's adapters."""
@@ -92,6 +92,27 @@ class Finished:
     """Of prompt_tokens, those the engine reused from its cache (its own figure; 0 when it gives none)."""
 
 
+AdapterKey = tuple[str, str]
+"""(model, adapter)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterState:
+    """The engine's LoRA adapters as it reports them: those loaded now, and its loads and unloads so far."""
+
+    reporting: frozenset[str]
+    """The models that report their adapters (another model's adapters all count as loaded)."""
+    loaded: frozenset[AdapterKey]
+    loads: Mapping[AdapterKey, int]
+    """Loads since the engine started, the loads with its models included."""
+    unloads: Mapping[AdapterKey, int]
+    """Evictions since the engine started (a load at the bound evicts the least recently used)."""
+
+    def has_loaded(self, model: str, adapter: str) -> bool:
+        """Whether the engine has model's adapter loaded now (True for a model that does not say)."""
+        return model not in self.reporting or (model, adapter) in self.loaded
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """The engine's own view of its request queue (Triton: statistics API and metrics)."""
@@ -102,6 +123,8 @@ class EngineStats:
     """Time those requests spent in the queue, in nanoseconds."""
     pending: int | None
     """Requests waiting in its queue now; None when the engine does not say."""
+    adapters: AdapterState | None = None
+    """Its LoRA adapters; None when it does not say (then every declared adapter counts as loaded)."""
 
 
 class BackendError(Exception):

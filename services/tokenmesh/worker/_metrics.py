@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenmesh.errors import label
@@ -29,7 +29,7 @@ class WorkerState:
     has_model: Callable[[], bool]
     """Whether the backend has a model loaded (the concurrency limit is known then)."""
     adapters: Callable[[], list[tuple[str, str]]]
-    """(model, adapter) of every LoRA adapter the engine loaded."""
+    """(model, adapter) of every LoRA adapter the engine has loaded now."""
     held: Callable[[], int]
     """Generations held for Resume."""
     restarts: Callable[[], int]
@@ -97,7 +97,7 @@ class WorkerMetrics:
             self.engine_itl.observe(gap_s)
 
     def adapter_generation(self, model: str, adapter: str) -> None:
-        """A generation started with one of model's adapters (labels bounded: the adapters the engine loaded)."""
+        """A generation started with one of model's adapters (labels bounded: the adapters the model declares)."""
         if self.enabled:
             self.adapter_generations.labels(model, adapter).inc()
 
@@ -163,14 +163,7 @@ class _StateCollector(Collector):
                 "Moving average of the time requests spent in Triton's queue",
                 value=t.engine_queue_ms / 1000,
             )
-        loaded = GaugeMetricFamily(
-            "tokenmesh_worker_adapter_loaded",
-            "1 for each LoRA adapter the engine loaded with its model (llama.cpp loads them only then)",
-            labels=["model", "adapter"],
-        )
-        for model, adapter in s.adapters():
-            loaded.add_metric([model, adapter], 1.0)
-        yield loaded
+        yield from _adapter_metrics(s)
         used = GaugeMetricFamily(
             "tokenmesh_worker_device_memory_used_bytes", "Device memory in use (NVML)", labels=["device"]
         )
@@ -181,3 +174,32 @@ class _StateCollector(Collector):
             used.add_metric([str(device.index)], device.memory_used_bytes)
             size.add_metric([str(device.index)], device.memory_total_bytes)
         yield from (used, size)
+
+
+def _adapter_metrics(s: WorkerState) -> Iterator[Metric]:
+    """The LoRA adapters loaded now, and the engine's loads and evictions (its own counts, read from it)."""
+    loaded = GaugeMetricFamily(
+        "tokenmesh_worker_adapter_loaded",
+        "1 for each LoRA adapter the engine has loaded now (a request for another declared one loads it)",
+        labels=["model", "adapter"],
+    )
+    for model, adapter in s.adapters():
+        loaded.add_metric([model, adapter], 1.0)
+    yield loaded
+    state = s.telemetry.adapters
+    if state is None:
+        return
+    loads = CounterMetricFamily(
+        "tokenmesh_worker_adapter_loads",
+        "LoRA adapter loads by the engine since it started (with its model, and on demand)",
+        labels=["model", "adapter"],
+    )
+    unloads = CounterMetricFamily(
+        "tokenmesh_worker_adapter_unloads",
+        "LoRA adapters the engine evicted since it started (the least recently used, at its bound)",
+        labels=["model", "adapter"],
+    )
+    for family, counts in ((loads, state.loads), (unloads, state.unloads)):
+        for (model, adapter), count in sorted(counts.items()):
+            family.add_metric([model, adapter], count)
+    yield from (loads, unloads)

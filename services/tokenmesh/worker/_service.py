@@ -159,6 +159,8 @@ class Worker(Service):
         spec = self.backend.models()[0]
         async for _ in self.backend.generate(GenerationParams(model=spec.name, prompt="Hello", max_tokens=2)):
             pass
+        # Before SERVING: the Describe a router reads then says which LoRA adapters are loaded, not all declared.
+        await self.servicer.telemetry.read_adapters()
 
     async def _restart_backend(self) -> None:
         """One restart attempt: the engine back and answering a probe generation."""

@@ -15,7 +15,7 @@ from tokenmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unava
 from tokenmesh.tracing import from_mapping, inject, parent
 from tokenmesh.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.validation import check_max_tokens, check_request, require_request_id
-from tokenmesh.worker._backend import Backend, BackendError, GenerationParams, ModelSpec
+from tokenmesh.worker._backend import AdapterKey, AdapterState, Backend, BackendError, GenerationParams, ModelSpec
 from tokenmesh.worker._devices import DeviceReader
 from tokenmesh.worker._limits import Limits
 from tokenmesh.worker._link import WorkerLink, trace_event
@@ -27,16 +27,31 @@ Target = tuple[ModelSpec, str]
 """What a request's model names: the engine's model, and one of its LoRA adapters ('' = none)."""
 
 
-def model_infos(models: list[ModelSpec]) -> list[inference_pb2.ModelInfo]:
-    """What Describe lists: each model (the first is the default), then each of its adapters as a model."""
+def model_infos(models: list[ModelSpec], adapters: AdapterState | None = None) -> list[inference_pb2.ModelInfo]:
+    """What Describe lists: each model (the first is the default), then each of its adapters as a model.
+
+    An adapter the engine reports not loaded is marked ``not_loaded``; those of a model that does not report (or
+    with no report at all: None) count as loaded.
+    """
     infos = []
     for i, m in enumerate(models):
         infos.append(inference_pb2.ModelInfo(name=m.name, max_context=m.max_context, is_default=(i == 0), workers=1))
         infos += [
-            inference_pb2.ModelInfo(name=m.adapter_model(a), max_context=m.max_context, workers=1, base=m.name)
+            inference_pb2.ModelInfo(
+                name=m.adapter_model(a),
+                max_context=m.max_context,
+                workers=1,
+                base=m.name,
+                not_loaded=adapters is not None and not adapters.has_loaded(m.name, a),
+            )
             for a in m.adapters
         ]
     return infos
+
+
+def loaded_adapters(models: list[ModelSpec], adapters: AdapterState | None) -> list[AdapterKey]:
+    """(model, adapter) of each declared adapter the engine has loaded (all of them while it has not said)."""
+    return [(m.name, a) for m in models for a in m.adapters if adapters is None or adapters.has_loaded(m.name, a)]
 
 
 def _start_command(first: worker_pb2.WorkerCommand | None) -> worker_pb2.WorkerCommand:
@@ -154,7 +169,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 in_flight=lambda: self.in_flight,
                 serving=lambda: self.serving,
                 has_model=self.backend_models,
-                adapters=lambda: [(m.name, a) for m in self._backend.models() for a in m.adapters],
+                adapters=lambda: loaded_adapters(self._backend.models(), self.telemetry.adapters),
                 held=lambda: len(self.registry.records),
                 restarts=lambda: self.backend_restarts,
             )
@@ -433,7 +448,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Models served, Triton endpoint and devices."""
         models = self._backend.models()
         return worker_pb2.DescribeResponse(
-            models=model_infos(models),
+            models=model_infos(models, self.telemetry.adapters),
             triton_url=self._backend.endpoint,
             cuda_visible_devices=self._cuda_visible_devices,
             triton_pid=self._backend.pid or 0,

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from tokenmesh.worker._backend import Backend, EngineStats
+from tokenmesh.worker._backend import AdapterState, Backend, EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,8 @@ class Telemetry:
     """Requests waiting in the engine's own queue now (None: unknown)."""
     engine_queue_ms: float | None
     """Moving average of the time requests spent in the engine's queue (None: none seen yet)."""
+    adapters: AdapterState | None
+    """The engine's LoRA adapters as last read (None: it never said; every declared adapter counts as loaded)."""
     _backend: Backend
 
     def __init__(self, backend: Backend) -> None:
@@ -52,6 +54,7 @@ class Telemetry:
         self.engine_poll_s = ENGINE_POLL_S
         self.engine_pending = None
         self.engine_queue_ms = None
+        self.adapters = None
 
     def timing(self, ttft_s: float | None, gap_s: float | None) -> None:
         """Fold in a first-token time or an inter-token gap."""
@@ -59,6 +62,15 @@ class Telemetry:
             self.ttft_ms = ewma(self.ttft_ms, ttft_s * 1000)
         if gap_s is not None:
             self.itl_ms = ewma(self.itl_ms, gap_s * 1000)
+
+    async def read_adapters(self) -> None:
+        """Take the engine's LoRA adapter state now (None when it does not say, or cannot be read)."""
+        try:
+            stats = await self._backend.engine_stats()
+        except Exception as exc:  # noqa: BLE001 - a restarting engine; the state goes unset
+            log.debug("engine stats unavailable: %s", exc)
+            stats = None
+        self.adapters = stats.adapters if stats is not None else None
 
     async def poll_engine(self, observe: Callable[[int | None], None] = lambda pending: None) -> None:
         """Follow the engine's own queue figures (Triton's pending count and queue time).
@@ -76,6 +88,8 @@ class Telemetry:
                 self.engine_pending = None
             else:
                 self.engine_pending = stats.pending
+                # Kept over a scrape that failed: the set changes only with a load.
+                self.adapters = stats.adapters or self.adapters
                 if previous is not None and stats.queued_total > previous.queued_total:
                     mean_ns = (stats.queue_ns_total - previous.queue_ns_total) / (
                         stats.queued_total - previous.queued_total

@@ -317,3 +317,40 @@ def test_a_lone_worker_the_prober_cannot_reach_is_not_routed_to() -> None:
     unreachable = router_pb2.WorkerWeight(address="a:1", weight=0.0, state=router_pb2.WORKER_STATE_UNREACHABLE)
     assert pool.apply(router_pb2.WeightTable(version=2, workers=[unreachable])) and not pool.prober_blind
     assert pool.pick("m") is None
+
+
+def adapter_pool(*not_loaded: bool, limit: int = 2) -> WorkerPool:
+    """Workers a:1, b:1... each declaring adapter m:x of model m, loaded or not (in that order)."""
+    pool = pool_with(*(f"{chr(97 + i)}:1" for i in range(len(not_loaded))))
+    for entry, absent in zip(pool.entries.values(), not_loaded, strict=True):
+        entry.limit = limit
+        entry.models["m:x"] = inference_pb2.ModelInfo(name="m:x", max_context=100, base="m", not_loaded=absent)
+    return pool
+
+
+@pytest.mark.parametrize("policy", ["prefix", "least-loaded", "round-robin"])
+def test_an_adapter_goes_to_the_worker_that_has_it_loaded_while_it_has_room_then_to_one_that_declares_it(
+    policy: str,
+) -> None:
+    pool = adapter_pool(True, False, True)
+    pool.policy = policy
+    picks = []
+    for i in range(4):
+        entry = pool.pick("m:x", Affinity(key=f"p{i}", source="prefix"))
+        assert entry is not None
+        picks.append(entry.address)
+        entry.in_flight += 1
+    assert picks[:2] == ["b:1", "b:1"]  # while b has room, though a and c are idle
+    assert set(picks[2:]) <= {"a:1", "c:1"}  # b full: a worker that declares it (and loads it)
+    # The base model is not steered: it goes by load alone.
+    assert pool.pick("m").address in {"a:1", "c:1"}
+
+
+def test_listmodels_says_not_loaded_only_while_no_live_worker_has_the_adapter_loaded() -> None:
+    pool = adapter_pool(True, True)
+    assert pool.resolve_model("m:x").not_loaded
+    described = worker_pb2.DescribeResponse(
+        models=[inference_pb2.ModelInfo(name="m:x", max_context=100, base="m"), pool.entries["b:1"].models["m"]]
+    )
+    pool.set_models(pool.entries["b:1"], described)  # b loaded it (its Describe read again)
+    assert not pool.resolve_model("m:x").not_loaded and pool.pick("m:x").address == "b:1"

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tokenmesh.worker import GenerationParams, ModelSpec, parse_adapters
-from tokenmesh.worker._servicer import model_infos
+from tokenmesh.worker import AdapterState, GenerationParams, ModelSpec, parse_adapters
+from tokenmesh.worker._servicer import loaded_adapters, model_infos
 from tokenmesh.worker.triton import SHIPPED_REPOSITORIES, build_request, decode_first
 
 
@@ -58,14 +60,27 @@ def test_parse_adapters_reads_the_names_in_order() -> None:
 def test_describe_lists_each_model_then_its_adapters_as_models_of_that_base() -> None:
     specs = [
         ModelSpec(name="smollm2", max_context=2048, slots=4, adapters=("demo", "terse")),
-        ModelSpec(name="other", max_context=512, slots=2),
+        ModelSpec(name="other", max_context=512, slots=2, adapters=("x",)),
     ]
     assert [(i.name, i.base, i.is_default, i.max_context) for i in model_infos(specs)] == [
         ("smollm2", "", True, 2048),
         ("smollm2:demo", "smollm2", False, 2048),
         ("smollm2:terse", "smollm2", False, 2048),
         ("other", "", False, 512),
+        ("other:x", "other", False, 512),
     ]
+    # The engine says which it has loaded: the others are listed not_loaded (a request loads them), and only the
+    # loaded ones are in the loaded gauge.
+    state = AdapterState(
+        reporting=frozenset({"smollm2"}), loaded=frozenset({("smollm2", "terse")}), loads={}, unloads={}
+    )
+    assert [(i.name, i.not_loaded) for i in model_infos(specs, state) if i.base] == [
+        ("smollm2:demo", True),
+        ("smollm2:terse", False),
+        ("other:x", False),  # a model that does not report its adapters: they count as loaded
+    ]
+    assert loaded_adapters(specs, state) == [("smollm2", "terse"), ("other", "x")]
+    assert loaded_adapters(specs, None) == [("smollm2", "demo"), ("smollm2", "terse"), ("other", "x")]
 
 
 def test_the_request_to_triton_names_the_adapter_as_the_vllm_backend_does() -> None:
@@ -83,19 +98,112 @@ def test_the_request_to_triton_names_the_adapter_as_the_vllm_backend_does() -> N
 
 
 def test_the_model_applies_the_named_adapter_alone_and_every_other_request_explicitly_without(smollm2: Any) -> None:
-    ids = {"demo": 0, "terse": 1}
+    declared = ("demo", "terse")
     named = {"text_input": "hi", "sampling_parameters": json.dumps({"max_tokens": 4, "lora_name": "terse"})}
-    body, chat = smollm2._request_body(named, ids)
-    assert not chat and body["lora"] == [{"id": 1, "scale": 1.0}] and body["max_tokens"] == 4
-    assert "lora_name" not in body
-    # A base request on a model with adapters names them at scale 0: without a `lora` list llama.cpp would keep
+    body, chat, adapter = smollm2._request_body(named, declared)
+    assert not chat and adapter == "terse" and body["max_tokens"] == 4
+    assert "lora_name" not in body and "lora" not in body  # the id is the adapter's place on the server it gets
+    engine = smollm2._Engine(server=None, adapters=("terse", "demo"))
+    assert engine.lora("terse") == [{"id": 0, "scale": 1.0}] and engine.lora("demo") == [{"id": 1, "scale": 1.0}]
+    # A base request on a server with adapters names one at scale 0: without a `lora` list llama.cpp would keep
     # whatever adapter the slot ran last.
-    body, _ = smollm2._request_body({"text_input": "hi"}, ids)
-    assert body["lora"] == [{"id": 0, "scale": 0.0}]
-    body, _ = smollm2._request_body({"text_input": "hi"}, {})
-    assert "lora" not in body
-    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'nope'; this model loaded: demo, terse"):
-        smollm2._request_body({"text_input": "hi", "sampling_parameters": json.dumps({"lora_name": "nope"})}, ids)
+    assert engine.lora("") == [{"id": 0, "scale": 0.0}]
+    assert smollm2._Engine(server=None, adapters=()).lora("") is None
+    assert smollm2._request_body({"text_input": "hi"}, declared)[2] == ""
+    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'nope'; this model declares: demo, terse"):
+        smollm2._request_body({"text_input": "hi", "sampling_parameters": json.dumps({"lora_name": "nope"})}, declared)
+
+
+def test_max_loras_is_a_positive_integer_and_defaults_to_every_declared_adapter(smollm2: Any) -> None:
+    assert smollm2._max_loras("", 3) == 3
+    assert smollm2._max_loras(" 2 ", 3) == 2
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(_ModelException, match=rf"max_loras: '{re.escape(bad)}' is not a positive integer"):
+            smollm2._max_loras(bad, 3)
+
+
+class _Servers:
+    """Stand-in for llama.cpp servers: each build is a server named by its loaded set; builds can be held."""
+
+    def __init__(self) -> None:
+        self.built: list[tuple[str, ...]] = []
+        self.changes: list[tuple[str, str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.building = threading.Event()
+
+    def build(self, adapters: tuple[str, ...]) -> str:
+        self.building.set()
+        assert self.gate.wait(5)
+        self.built.append(adapters)
+        return "+".join(adapters) or "base"
+
+    def changed(self, change: str, adapter: str) -> None:
+        self.changes.append((change, adapter))
+
+
+def test_engines_keep_at_most_max_loras_loaded_and_evict_the_least_recently_used(smollm2: Any) -> None:
+    servers = _Servers()
+    engines = smollm2._Engines(servers.build, ("a", "b", "c"), 2, servers.changed)
+    assert servers.built == [("a", "b")] and engines.loaded() == ("a", "b")
+    for adapter in ("a", "", "b", "a"):  # loaded ones (and the base model) run on the server there is
+        engines.release(engines.acquire(adapter))
+    assert servers.built == [("a", "b")] and engines.loaded() == ("b", "a")
+    engine = engines.acquire("c")  # b is the least recently used
+    assert engine.server == "a+c" and engine.lora("c") == [{"id": 1, "scale": 1.0}]
+    engines.release(engine)
+    engines.release(engines.acquire("b"))  # a now: c was used after it
+    assert servers.built == [("a", "b"), ("a", "c"), ("c", "b")]
+    assert servers.changes == [("load", "a"), ("load", "b"), ("unload", "b"), ("load", "c")] + [
+        ("unload", "a"),
+        ("load", "b"),
+    ]
+
+
+def test_engines_with_a_bound_of_one_swap_and_keep_the_old_server_for_its_running_requests(smollm2: Any) -> None:
+    servers = _Servers()
+    engines = smollm2._Engines(servers.build, ("a", "b"), 1, servers.changed)
+    running_a = engines.acquire("a")
+    running_b = engines.acquire("b")
+    assert (running_a.server, running_b.server) == ("a", "b")
+    # The old server still runs a request: the next load waits until it is dropped (two servers at most).
+    waiter: list[Any] = []
+    thread = threading.Thread(target=lambda: waiter.append(engines.acquire("a")))
+    servers.building.clear()
+    thread.start()
+    assert not servers.building.wait(0.2) and not waiter
+    assert engines.acquire("").server == "b"  # the base model runs meanwhile, on the current server
+    engines.release(running_a)
+    thread.join(5)
+    assert waiter[0].server == "a" and servers.built == [("a",), ("b",), ("a",)]
+    assert engines.loaded() == ("a",)
+
+
+def test_engines_load_one_at_a_time_and_requests_for_that_adapter_wait_for_its_load(smollm2: Any) -> None:
+    servers = _Servers()
+    engines = smollm2._Engines(servers.build, ("a", "b", "c"), 2, servers.changed)
+    servers.gate.clear()
+    servers.building.clear()
+    got: list[str] = []
+
+    def run(adapter: str) -> None:
+        engine = engines.acquire(adapter)
+        got.append(f"{adapter}@{engine.server}")
+        engines.release(engine)
+
+    threads = [threading.Thread(target=run, args=(adapter,)) for adapter in ("c", "c", "c")]
+    for thread in threads:
+        thread.start()
+    assert servers.building.wait(5)
+    run("a")  # a loaded adapter does not wait for the load
+    assert got == ["a@a+b"]
+    servers.gate.set()
+    for thread in threads:
+        thread.join(5)
+    assert got[1:] == ["c@b+c"] * 3 and servers.built == [
+        ("a", "b"),
+        ("b", "c"),
+    ]  # the set was chosen as the load began
 
 
 def test_the_model_resolves_adapter_paths_against_its_folder_and_names_what_is_wrong(

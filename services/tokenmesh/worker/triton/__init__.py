@@ -16,7 +16,7 @@ The modules, one job each: ``_process`` (the tritonserver child), ``_codec``
 from tokenmesh.worker.triton._backend import PORT_ATTEMPTS, TRITON_CHANNEL_OPTIONS, TritonBackend, TritonBackendConfig
 from tokenmesh.worker.triton._codec import MalformedBytes, build_request, decode_first, encode_bytes
 from tokenmesh.worker.triton._generation import TritonGeneration
-from tokenmesh.worker.triton._metrics import parse_pending
+from tokenmesh.worker.triton._metrics import parse_metrics, parse_pending
 from tokenmesh.worker.triton._process import (
     DEFAULT_MODEL_REPOSITORY,
     SHIPPED_REPOSITORIES,
@@ -41,6 +41,7 @@ __all__ = [
     "build_request",
     "decode_first",
     "encode_bytes",
+    "parse_metrics",
     "parse_pending",
     "synthetic_repository",
 ]

@@ -25,7 +25,7 @@ from tokenmesh.worker._backend import (
     parse_adapters,
 )
 from tokenmesh.worker.triton._generation import TritonGeneration
-from tokenmesh.worker.triton._metrics import _fetch_text, parse_pending
+from tokenmesh.worker.triton._metrics import _fetch_text, parse_metrics
 from tokenmesh.worker.triton._process import PortTaken, TritonProcess, TritonProcessConfig
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class TritonBackend(Backend):
         return self.config.metrics_url
 
     async def engine_stats(self) -> EngineStats | None:
-        """Queue totals from Triton's statistics API; the pending gauge from its metrics endpoint."""
+        """Queue totals from Triton's statistics API; the pending gauge and adapter state from its metrics."""
         if self._stub is None:
             return None
         try:
@@ -197,14 +197,14 @@ class TritonBackend(Backend):
         for model in stats.model_stats:
             queued += model.inference_stats.queue.count
             queue_ns += model.inference_stats.queue.ns
-        pending = None
+        pending = adapters = None
         if self.metrics_url:
             try:
                 text = await asyncio.to_thread(_fetch_text, self.metrics_url)
-                pending = parse_pending(text)
+                pending, adapters = parse_metrics(text)
             except (OSError, ValueError) as exc:  # ValueError: not Prometheus text (some other endpoint)
                 log.debug("Triton metrics unavailable at %s: %s", self.metrics_url, exc)
-        return EngineStats(queued_total=queued, queue_ns_total=queue_ns, pending=pending)
+        return EngineStats(queued_total=queued, queue_ns_total=queue_ns, pending=pending, adapters=adapters)
 
     def models(self) -> list[ModelSpec]:
         """Models found READY at start."""

@@ -9,7 +9,8 @@ deltas and the last one carries ``finish_reason`` and the token counts, with
 the TRITONSERVER_RESPONSE_COMPLETE_FINAL flag, and the prompt tokens llama.cpp
 took from its cache (a slot still holding an earlier prompt, or the host-RAM
 prompt cache) instead of computing them. A cancelled request (the gRPC
-stream went away) stops its slot at the next token.
+stream went away) stops its slot at the next token. LoRA adapters the
+repository declares load on demand, at most ``max_loras`` at once (_Engines).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import json
 import os
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -70,6 +73,190 @@ def _adapters(spec: str, model_dir: str) -> list[tuple[str, str]]:
     return adapters
 
 
+def _max_loras(value: str, declared: int) -> int:
+    """Parameter ``max_loras``: the most adapters loaded at once (empty: every declared one)."""
+    if not value.strip():
+        return max(declared, 1)
+    try:
+        bound = int(value)
+    except ValueError:
+        bound = 0
+    if bound < 1:
+        raise pb_utils.TritonModelException(
+            f"max_loras: {value!r} is not a positive integer (the most LoRA adapters loaded at once; "
+            "empty = every adapter lora_adapters declares)"
+        )
+    return bound
+
+
+class _Engine:
+    """One llama.cpp server and the adapters it loaded (their llama.cpp ids are their places here).
+
+    Args:
+        server: the ``xllamacpp.Server``.
+        adapters: the adapters it loaded, in llama.cpp id order.
+
+    """
+
+    server: Any
+    adapters: tuple[str, ...]
+    users: int
+    """Requests running on it (a replaced server is dropped when the last ends)."""
+
+    def __init__(self, server: Any, adapters: tuple[str, ...]) -> None:
+        self.server, self.adapters, self.users = server, adapters, 0
+
+    def lora(self, adapter: str) -> list[dict[str, Any]] | None:
+        """The request's ``lora`` field: the adapter alone at scale 1, or, for none, the first at scale 0.
+
+        Always a list on a server with adapters: llama.cpp compares a request's list with what the slot ran
+        last, and drops the slot's KV when they differ, only when there is one; without, it would reuse KV of
+        an adapter.
+        """
+        if not self.adapters:
+            return None
+        if adapter:
+            return [{"id": self.adapters.index(adapter), "scale": 1.0}]
+        return [{"id": 0, "scale": 0.0}]
+
+
+class _Engines:
+    """The model's llama.cpp servers: the current one, and those a load replaced while requests still ran there.
+
+    llama.cpp loads LoRA adapters only when a server starts, so loading one builds a new server with the new set
+    (at the bound, the least recently used adapter left out). New requests go to it; requests in flight finish
+    on the old one, dropped with its last request. One load at a time, and none while a replaced server still
+    runs requests (so at most two servers' memory); a request whose adapter is not loaded waits for its load.
+
+    Args:
+        build: starts a server with the given adapters loaded (in llama.cpp id order).
+        declared: the adapters the model may load; the first ``max_loras`` are loaded at start.
+        max_loras: the most adapters loaded at once.
+        changed: told ("load" | "unload", adapter) for each change of the loaded set.
+
+    """
+
+    _build: Callable[[tuple[str, ...]], Any]
+    _max: int
+    _changed: Callable[[str, str], None]
+    _cond: threading.Condition
+    _current: _Engine
+    _retired: list[_Engine]
+    _recent: OrderedDict[str, None]
+    """Loaded adapters, least recently used first."""
+    _loading: bool
+
+    def __init__(
+        self,
+        build: Callable[[tuple[str, ...]], Any],
+        declared: tuple[str, ...],
+        max_loras: int,
+        changed: Callable[[str, str], None],
+    ) -> None:
+        self._build, self._max, self._changed = build, max_loras, changed
+        self._cond = threading.Condition()
+        self._retired = []
+        self._loading = False
+        loaded = declared[:max_loras]
+        self._current = _Engine(build(loaded), loaded)
+        self._recent = OrderedDict.fromkeys(loaded)
+        for name in loaded:
+            changed("load", name)
+
+    def acquire(self, adapter: str) -> _Engine:
+        """The server to run a request on ('' = the base model), the adapter loaded; pair with :meth:`release`."""
+        with self._cond:
+            while adapter and adapter not in self._current.adapters:
+                if not self._loading and not self._retired:
+                    self._loading = True
+                    wanted = self._next_set(adapter)
+                    break
+                self._cond.wait()
+            else:
+                return self._use(self._current, adapter)
+        try:
+            server = self._build(wanted)  # seconds: outside the lock, requests on loaded adapters go on
+        except BaseException:
+            with self._cond:
+                self._loading = False
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._swap(_Engine(server, wanted))
+            return self._use(self._current, adapter)
+
+    def release(self, engine: _Engine) -> None:
+        """A request on engine ended: a replaced server with no request left is dropped."""
+        with self._cond:
+            engine.users -= 1
+            if engine.users == 0 and engine in self._retired:
+                self._retired.remove(engine)
+                self._cond.notify_all()  # a load waiting for the old server to go may start
+
+    def loaded(self) -> tuple[str, ...]:
+        """The adapters new requests find loaded, least recently used first."""
+        with self._cond:
+            return tuple(self._recent)
+
+    def close(self) -> None:
+        """Drop every server (the model is unloading)."""
+        with self._cond:
+            self._retired.clear()
+            self._current = _Engine(None, ())
+
+    def _next_set(self, adapter: str) -> tuple[str, ...]:
+        kept = list(self._recent)
+        if len(kept) >= self._max:
+            kept = kept[len(kept) - self._max + 1 :]
+        return (*kept, adapter)
+
+    def _swap(self, engine: _Engine) -> None:
+        old, self._current, self._loading = self._current, engine, False
+        for name in old.adapters:
+            if name not in engine.adapters:
+                self._recent.pop(name, None)
+                self._changed("unload", name)
+        for name in engine.adapters:
+            if name not in old.adapters:
+                self._recent[name] = None
+                self._changed("load", name)
+        if old.users:
+            self._retired.append(old)
+        self._cond.notify_all()
+
+    def _use(self, engine: _Engine, adapter: str) -> _Engine:
+        if adapter:
+            self._recent.move_to_end(adapter)
+        engine.users += 1
+        return engine
+
+
+class _AdapterMetrics:
+    """The loaded set and its changes as Triton custom metrics, which the worker reads from Triton's endpoint.
+
+    Labels are bounded: the adapters the repository declares.
+    """
+
+    def __init__(self, model: str, declared: tuple[str, ...]) -> None:
+        kinds = pb_utils.MetricFamily
+        loaded = kinds(name="tokenmesh_model_adapter_loaded", description="1 per LoRA adapter loaded", kind=kinds.GAUGE)
+        loads = kinds(name="tokenmesh_model_adapter_loads_total", description="LoRA adapter loads", kind=kinds.COUNTER)
+        unloads = kinds(
+            name="tokenmesh_model_adapter_unloads_total", description="LoRA adapter evictions", kind=kinds.COUNTER
+        )
+        labels = {name: {"model": model, "adapter": name} for name in declared}
+        self._loaded = {name: loaded.Metric(labels=labels[name]) for name in declared}
+        self._counts = {("load", name): loads.Metric(labels=labels[name]) for name in declared} | {
+            ("unload", name): unloads.Metric(labels=labels[name]) for name in declared
+        }
+        self._families = (loaded, loads, unloads)  # a family's metrics live as long as it
+
+    def __call__(self, change: str, adapter: str) -> None:
+        """One load or unload of adapter."""
+        self._loaded[adapter].set(1.0 if change == "load" else 0.0)
+        self._counts[change, adapter].increment(1.0)
+
+
 def _exit_with_triton() -> None:
     """End this stub when its tritonserver dies.
 
@@ -91,7 +278,7 @@ class TritonPythonModel:
     """Triton entry point: ``initialize``, ``execute``, ``finalize``."""
 
     def initialize(self, args: dict[str, Any]) -> None:
-        """Load the GGUF into a llama.cpp server with ``n_parallel`` slots."""
+        """Load the GGUF into a llama.cpp server with ``n_parallel`` slots and the first ``max_loras`` adapters."""
         _exit_with_triton()
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
@@ -107,13 +294,9 @@ class TritonPythonModel:
         # llama.cpp keeps evicted prompt states in host RAM, 8 GiB by default:
         # without a bound the model process grows with every distinct prompt.
         p.cache_ram_mib = int(params.get("cache_ram_mib", "128"))
-        self._adapters = _adapters(params.get("lora_adapters", ""), args.get("model_repository", ""))
-        if self._adapters:
-            # Loaded once, with the model: llama.cpp loads adapters only at init (no load or unload later).
-            # Scale 0 by default, so a request that names no adapter runs the base model; a request applies
-            # its own with the per-request `lora` field.
-            p.lora_adapters = [xllamacpp.CommonAdapterLoraInfo(path, 0.0) for _, path in self._adapters]
-            p.lora_init_without_apply = True
+        adapters = dict(_adapters(params.get("lora_adapters", ""), args.get("model_repository", "")))
+        max_loras = _max_loras(params.get("max_loras", ""), len(adapters))
+        if adapters:
             # llama.cpp's RAM prompt cache keys a saved prompt by its tokens only, not by the adapter it was
             # computed under: a prompt restored from it would decode one adapter's KV under another.
             p.cache_ram_mib = 0
@@ -122,8 +305,17 @@ class TritonPythonModel:
             p.chat_template = params["chat_template"]
         p.warmup = False
         p.verbosity = -1
-        self._lora_ids = {name: i for i, (name, _) in enumerate(self._adapters)}
-        self._engine = xllamacpp.Server(p)
+
+        def build(loaded: tuple[str, ...]) -> Any:
+            # llama.cpp loads adapters only when a server starts (xllamacpp has no later load call): each set of
+            # loaded adapters is a server of its own. Scale 0 by default, so a request that names no adapter runs
+            # the base model; a request applies its own with the per-request `lora` field.
+            p.lora_adapters = [xllamacpp.CommonAdapterLoraInfo(adapters[name], 0.0) for name in loaded]
+            p.lora_init_without_apply = True
+            return xllamacpp.Server(p)
+
+        self._declared = tuple(adapters)
+        self._engines = _Engines(build, self._declared, max_loras, _AdapterMetrics(args["model_name"], self._declared))
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._stopping = False
@@ -135,7 +327,7 @@ class TritonPythonModel:
             # are not safe to read from another thread once execute returns.
             sender = request.get_response_sender()
             try:
-                body, chat = _request_body(request, self._lora_ids)
+                body, chat, adapter = _request_body(request, self._declared)
                 streaming = _input_bool(request, "stream", default=True)
             except Exception as exc:  # noqa: BLE001 - a bad request must be answered, not crash the stub
                 sender.send(
@@ -145,7 +337,7 @@ class TritonPythonModel:
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
                 continue
-            thread = threading.Thread(target=self._generate, args=(sender, body, chat, streaming), daemon=True)
+            thread = threading.Thread(target=self._generate, args=(sender, body, chat, streaming, adapter), daemon=True)
             with self._lock:
                 self._threads.add(thread)
             thread.start()
@@ -158,12 +350,26 @@ class TritonPythonModel:
             threads = list(self._threads)
         for thread in threads:
             thread.join(timeout=5)
+        self._engines.close()
 
     # -- one request -------------------------------------------------------
 
-    def _generate(self, sender: Any, body: dict[str, Any], chat: bool, streaming: bool) -> None:
+    def _generate(self, sender: Any, body: dict[str, Any], chat: bool, streaming: bool, adapter: str) -> None:
         try:
-            self._run(sender, body, chat, streaming)
+            # Waits while the adapter is being loaded (a new server: seconds); the server it returns keeps
+            # running until this request ends, even if a later load replaces it for new requests.
+            engine = self._engines.acquire(adapter)
+            try:
+                lora = engine.lora(adapter)
+                if lora is not None:
+                    body["lora"] = lora
+                if adapter:
+                    # llama.cpp answered a repeated prompt of the same adapter, its KV reused from the slot, as
+                    # if no adapter applied (tried with xllamacpp): an adapter's prompt is computed afresh.
+                    body["cache_prompt"] = False
+                self._run(engine.server, sender, body, chat, streaming)
+            finally:
+                self._engines.release(engine)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the client
             sender.send(
                 pb_utils.InferenceResponse(error=pb_utils.TritonError(f"model error: {exc}")),
@@ -173,7 +379,7 @@ class TritonPythonModel:
             with self._lock:
                 self._threads.discard(threading.current_thread())
 
-    def _run(self, sender: Any, body: dict[str, Any], chat: bool, streaming: bool) -> None:
+    def _run(self, server: Any, sender: Any, body: dict[str, Any], chat: bool, streaming: bool) -> None:
         state = {
             "pieces": [],
             "finish": "",
@@ -207,9 +413,9 @@ class TritonPythonModel:
             return False
 
         if chat:
-            self._engine.handle_chat_completions(json.dumps(body), on_event)
+            server.handle_chat_completions(json.dumps(body), on_event)
         else:
-            self._engine.handle_completions(json.dumps(body), on_event)
+            server.handle_completions(json.dumps(body), on_event)
 
         if state["error"] is not None:
             err = state["error"]
@@ -226,11 +432,11 @@ class TritonPythonModel:
         sender.send(final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
-def _request_body(request: Any, lora_ids: dict[str, int]) -> tuple[dict[str, Any], bool]:
-    """Build the llama.cpp request JSON; True when it is a chat request.
+def _request_body(request: Any, declared: tuple[str, ...]) -> tuple[dict[str, Any], bool, str]:
+    """Build the llama.cpp request JSON; True when it is a chat request; the adapter it names ('' for none).
 
-    ``lora_ids``: the loaded adapters' llama.cpp ids by name; ``sampling_parameters.lora_name`` (the vLLM
-    backend's key) picks one.
+    ``declared``: the adapters the model may load; ``sampling_parameters.lora_name`` (the vLLM backend's key)
+    picks one. Its ``lora`` field is added once the request has a server (the adapter's id is its place there).
     """
     body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
     sampling = _input_str(request, "sampling_parameters")
@@ -242,20 +448,16 @@ def _request_body(request: Any, lora_ids: dict[str, int]) -> tuple[dict[str, Any
         for key, target in _SAMPLING_KEYS.items():
             if key in given and given[key] is not None:
                 body[target] = given[key]
-    lora_name = given.get("lora_name") or ""
-    if lora_name and lora_name not in lora_ids:
-        known = ", ".join(lora_ids) or "none"
-        raise ValueError(f"unknown LoRA adapter {lora_name!r}; this model loaded: {known}")
-    if lora_ids:
-        # Always a non-empty list: llama.cpp compares a request's list with what the slot ran last, and drops
-        # the slot's KV when they differ, only when there is one; without, it would reuse KV of an adapter.
-        body["lora"] = [{"id": lora_ids[lora_name], "scale": 1.0}] if lora_name else [{"id": 0, "scale": 0.0}]
+    lora_name = str(given.get("lora_name") or "")
+    if lora_name and lora_name not in declared:
+        known = ", ".join(declared) or "none"
+        raise ValueError(f"unknown LoRA adapter {lora_name!r}; this model declares: {known}")
     messages = _input_str(request, "messages")
     if messages:
         body["messages"] = json.loads(messages)
-        return body, True
+        return body, True, lora_name
     body["prompt"] = _input_str(request, "text_input") or ""
-    return body, False
+    return body, False, lora_name
 
 
 def _input_str(request: Any, name: str) -> str | None:

@@ -1,0 +1,167 @@
+"""LoRA adapters loaded on demand: a real SmolLM2 worker that declares two adapters and keeps one loaded.
+
+Adapters A and B (scripts/make_lora.py, seeds 0 and 1). The reference is what each answers when the model loads
+both with itself (as before on-demand loading); the worker under test has ``max_loras`` 1: A loads with the model,
+a request for B loads B (a new llama.cpp server) and evicts A, and so on. Each answer must be the reference's at
+the same seed, whichever server it ran on, and the loads and evictions are counted in the worker's metrics.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.lora import lora_repository, write_adapter
+from tokenmesh.v1 import inference_pb2
+from tokenmesh.worker.triton import TritonBackend, TritonBackendConfig, TritonProcessConfig
+
+from .conftest import MeshHandle, running_mesh
+
+pytestmark = pytest.mark.integration
+
+QUESTION = "What is the capital of France?"
+SAMPLING = {"temperature": 0.0, "seed": 7, "max_tokens": 16}
+MODELS = ("smollm2", "smollm2:a", "smollm2:b")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory, demo_adapter: Path) -> dict[str, Path]:
+    return {"a": demo_adapter, "b": write_adapter(tmp_path_factory.mktemp("lora-b") / "b.gguf", seed=1)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, adapters: dict[str, Path]) -> dict[str, str]:
+    """Each model's answer with both adapters loaded with the model."""
+    tmp = tmp_path_factory.mktemp("lora-static")
+    with running_mesh(tmp, workers=1, model_repository=str(lora_repository(tmp, adapters))) as mesh:
+        return {model: answer(mesh, model) for model in MODELS}
+
+
+@pytest.fixture(scope="module")
+def mesh(
+    tmp_path_factory: pytest.TempPathFactory, adapters: dict[str, Path], reference: dict[str, str]
+) -> Iterator[MeshHandle]:
+    """The worker under test, started once the reference's has stopped (one model process at a time)."""
+    tmp = tmp_path_factory.mktemp("lora-on-demand")
+    repository = lora_repository(tmp, adapters, max_loras=1)
+    with running_mesh(tmp, workers=1, model_repository=str(repository), metrics=True, gateway_port=0) as handle:
+        yield handle
+
+
+def answer(mesh: MeshHandle, model: str) -> str:
+    """The whole text of one chat generation through the router."""
+    request = inference_pb2.GenerateRequest(
+        model=model, messages=[inference_pb2.ChatMessage(role="user", content=QUESTION)], **SAMPLING
+    )
+    chunks = list(mesh.inference.Generate(request, timeout=180))
+    assert chunks[-1].finish_reason in (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH)
+    return "".join(c.text for c in chunks)
+
+
+def adapter_metrics(mesh: MeshHandle) -> dict[tuple[str, str], float]:
+    """The worker's adapter samples: (sample name, adapter) -> value."""
+    with urllib.request.urlopen(mesh.mesh.metrics_urls["worker-0"], timeout=5) as response:  # noqa: S310
+        text = response.read().decode()
+    return {
+        (sample.name, sample.labels["adapter"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("tokenmesh_worker_adapter_")
+        for sample in family.samples
+        if not sample.name.endswith("_created")
+    }
+
+
+def loads(mesh: MeshHandle) -> dict[str, tuple[float, float]]:
+    """(loads, unloads) by adapter, as the worker last read them from its engine."""
+    found = adapter_metrics(mesh)
+    return {
+        a: (
+            found.get(("tokenmesh_worker_adapter_loads_total", a), 0.0),
+            found.get(("tokenmesh_worker_adapter_unloads_total", a), 0.0),
+        )
+        for a in ("a", "b")
+    }
+
+
+def loaded(mesh: MeshHandle) -> set[str]:
+    return {a for (name, a), v in adapter_metrics(mesh).items() if name == "tokenmesh_worker_adapter_loaded" and v}
+
+
+async def test_a_max_loras_that_is_not_a_positive_integer_fails_the_model_naming_the_parameter(
+    tmp_path: Path, demo_adapter: Path
+) -> None:
+    """Run first, before the module's meshes start (one model process at a time)."""
+    repository = lora_repository(tmp_path, {"demo": demo_adapter}, max_loras="0")
+    process = TritonProcessConfig(work_dir=tmp_path / "triton", model_repository=repository, start_timeout_s=120)
+    backend = TritonBackend(TritonBackendConfig(process=process))
+    try:
+        with pytest.raises(RuntimeError, match="tritonserver exited during start"):
+            await backend.start()
+    finally:
+        await backend.stop()
+    # Triton's log, whose tail the worker's start error quotes, says which model failed and why.
+    why = (
+        "failed to load 'smollm2' version 1: Internal: TritonModelException: max_loras: '0' is not a positive "
+        "integer (the most LoRA adapters loaded at once; empty = every adapter lora_adapters declares)"
+    )
+    assert why in (tmp_path / "triton" / "tritonserver.log").read_text()
+
+
+def test_a_b_a_in_turn_each_answer_as_loaded_with_the_model_and_each_swap_is_counted(
+    mesh: MeshHandle, reference: dict[str, str]
+) -> None:
+    assert reference["smollm2:a"] != reference["smollm2"] != reference["smollm2:b"] != reference["smollm2:a"]
+    listed = mesh.inference.ListModels(inference_pb2.ListModelsRequest(), timeout=5)
+    assert [(m.name, m.base, m.not_loaded) for m in listed.models] == [
+        ("smollm2", "", False),
+        ("smollm2:a", "smollm2", False),
+        ("smollm2:b", "smollm2", True),  # declared, not loaded: the first of max_loras 1 (a) loaded with the model
+    ]
+    assert loaded(mesh) == {"a"} and loads(mesh) == {"a": (1, 0), "b": (0, 0)}
+    for model in ("smollm2:a", "smollm2:b", "smollm2:a", "smollm2"):
+        assert answer(mesh, model) == reference[model], model
+    wait_for(lambda: loads(mesh) == {"a": (2, 1), "b": (1, 1)})  # the worker reads its engine's counts each second
+    assert loaded(mesh) == {"a"}
+
+
+def test_concurrent_requests_for_both_adapters_each_get_their_own_answer(
+    mesh: MeshHandle, reference: dict[str, str]
+) -> None:
+    models = [MODELS[i % 3] for i in range(9)]
+    with concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
+        texts = list(pool.map(lambda m: answer(mesh, m), models))
+    assert texts == [reference[m] for m in models]
+
+    def one_loaded() -> bool:
+        # Every load but the one with the model evicted the other adapter: one loaded at the end.
+        counts = loads(mesh)
+        return sum(n - u for n, u in counts.values()) == 1 and len(loaded(mesh)) == 1
+
+    wait_for(one_loaded)  # the worker reads its engine's counts each second (a scrape may fall inside a swap)
+    assert loads(mesh)["b"][0] >= 2  # a was loaded before: b's requests loaded it again
+
+
+def test_the_openai_sdk_gets_the_answer_of_an_adapter_loaded_for_it(
+    mesh: MeshHandle, reference: dict[str, str]
+) -> None:
+    assert mesh.mesh.gateway is not None
+    client = openai.OpenAI(base_url=str(mesh.mesh.gateway.info["url"]), api_key="x", max_retries=0)
+    for model in ("smollm2:b", "smollm2:a"):  # whichever is loaded now, one of them needs a load
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": QUESTION}], **SAMPLING
+        )
+        assert reply.choices[0].message.content == reference[model]
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.2)
