@@ -135,17 +135,21 @@ def chat_turns(
 
 def run_sessions(args: argparse.Namespace) -> None:
     """Session key vs prefix rule on multi-turn chats, alternating blocks on one mesh (see the module's doc)."""
-    # A cold prefill queued behind others on a loaded CPU can take longer than the 30 s TTFT limit: a failover
-    # then would measure the limit, not the placement.
+    # A cold prefill queued behind others on a loaded CPU can take longer than the 30 s TTFT limit, and a CPU
+    # engine computing one holds every other stream on its worker longer than the 5 s stall limit (llama.cpp
+    # decodes them in the same step): a failover then would measure the limits, not the placement.
     env = {
         "TOKENMESH_ROUTER_POLICY": "prefix",
         "TOKENMESH_ROUTER_QUEUE_TIMEOUT_S": "600",
         "TOKENMESH_ROUTER_TTFT_TIMEOUT_S": "600",
+        "TOKENMESH_ROUTER_STALL_TIMEOUT_S": "600",
     }
     first: dict[str, list[float]] = {"session": [], "prefix": []}
     later: dict[str, list[float]] = {"session": [], "prefix": []}
     # Of the later turns' prompt tokens, how many the engine reused from its cache (llama.cpp's own figure).
     reused: dict[str, list[int]] = {"session": [0, 0], "prefix": [0, 0]}
+    # Each block's later turns' TTFTs and its time, for the spread over block pairs.
+    blocks: dict[str, list[tuple[list[float], float]]] = {"session": [], "prefix": []}
     with running_mesh(MeshConfig(workers=args.workers, port=0, extra_env=env, metrics=True)) as mesh:
         assert mesh.router is not None
         channel = grpc.insecure_channel(mesh.router.address)
@@ -164,6 +168,7 @@ def run_sessions(args: argparse.Namespace) -> None:
                 runs = list(pool.map(lambda sk: chat_turns(stub, args, *sk), zip(systems, keys, strict=True)))
             first[mode] += [r[0][0] for r in runs]
             later[mode] += [t[0] for r in runs for t in r[1:]]
+            blocks[mode].append(([t[0] for r in runs for t in r[1:]], time.monotonic() - started))
             for r in runs:
                 for _, cached, prompt in r[1:]:
                     reused[mode][0] += cached
@@ -196,8 +201,20 @@ def run_sessions(args: argparse.Namespace) -> None:
             f"{percentile(later[mode], 99):12.3f} {len(later[mode]):12d} {cached / max(prompt, 1):7.1%}"
         )
     print("router placements and migrations over all blocks:", "; ".join(placed))
+    pairs = list(zip(blocks["session"], blocks["prefix"], strict=False))
+    p50s = sorted(percentile(s[0], 50) / percentile(p[0], 50) for s, p in pairs)
+    means = sorted(sum(s[0]) / len(s[0]) / (sum(p[0]) / len(p[0])) for s, p in pairs)
+    times = sorted(s[1] / p[1] for s, p in pairs)
     ratio = percentile(later["session"], 50) / percentile(later["prefix"], 50)
-    print(f"session / prefix TTFT p50 of later turns: {ratio:.3f} (target <= 1.0)")
+    mean = sum(later["session"]) / len(later["session"]) / (sum(later["prefix"]) / len(later["prefix"]))
+    print(f"session / prefix TTFT p50 of later turns: {ratio:.3f} (target <= 1.0); block pairs {_spread(p50s)}")
+    print(f"session / prefix TTFT mean of later turns: {mean:.3f}; block pairs {_spread(means)}")
+    print(f"session / prefix block time (all turns of its chats): block pairs {_spread(times)}")
+
+
+def _spread(values: list[float]) -> str:
+    """Median [min..max] of sorted values."""
+    return f"median {values[len(values) // 2]:.3f} [{values[0]:.3f}..{values[-1]:.3f}]" if values else "none"
 
 
 def main() -> None:

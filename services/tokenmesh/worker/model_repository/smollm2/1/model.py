@@ -291,6 +291,9 @@ class TritonPythonModel:
         threads = int(params.get("n_threads", "2"))
         p.cpuparams.n_threads = threads
         p.cpuparams_batch.n_threads = threads
+        # One step decodes every slot's next token with the prompts being prefilled: a bound on its tokens is a
+        # bound on how long the other streams wait (config.pbtxt n_batch).
+        p.n_batch = p.n_ubatch = int(params.get("n_batch", "128"))
         # llama.cpp keeps evicted prompt states in host RAM, 8 GiB by default:
         # without a bound the model process grows with every distinct prompt.
         p.cache_ram_mib = int(params.get("cache_ram_mib", "128"))
