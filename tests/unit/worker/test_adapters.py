@@ -224,3 +224,54 @@ def test_the_model_resolves_adapter_paths_against_its_folder_and_names_what_is_w
         smollm2._adapters("a:b=adapters/demo.gguf", str(tmp_path))
     with pytest.raises(_ModelException, match=r"'demo' is named twice"):
         smollm2._adapters("demo=adapters/demo.gguf,demo=adapters/demo.gguf", str(tmp_path))
+
+
+UNLOADING = "the model is unloading; send the request again once it is loaded"
+
+
+def _acquire_in_thread(engines: Any, adapter: str, errors: list[str]) -> threading.Thread:
+    """A request for adapter on its own thread; the error it ends with is appended to errors."""
+
+    def run() -> None:
+        try:
+            engines.acquire(adapter)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_an_unloading_model_ends_the_requests_waiting_for_a_load_and_starts_no_server(smollm2: Any) -> None:
+    servers = _Servers()
+    engines = smollm2._Engines(servers.build, ("a", "b", "c"), 1, servers.changed)
+    running_a = engines.acquire("a")
+    running_b = engines.acquire("b")  # a's server is kept for its request: the next load waits for it
+    errors: list[str] = []
+    waiting = _acquire_in_thread(engines, "c", errors)
+    waiting.join(0.2)
+    assert waiting.is_alive()
+    engines.close()
+    waiting.join(2)
+    assert not waiting.is_alive() and errors == [UNLOADING]
+    engines.release(running_a)  # a's server goes: still no load
+    engines.release(running_b)
+    assert servers.built == [("a",), ("b",)] and engines.loaded() == ()
+    with pytest.raises(RuntimeError, match=UNLOADING):
+        engines.acquire("")  # the base model too: there is no server left
+
+
+def test_a_load_that_ends_after_the_model_began_unloading_is_not_put_in_service(smollm2: Any) -> None:
+    servers = _Servers()
+    engines = smollm2._Engines(servers.build, ("a", "b"), 1, servers.changed)
+    servers.gate.clear()
+    servers.building.clear()
+    errors: list[str] = []
+    loading = _acquire_in_thread(engines, "b", errors)
+    assert servers.building.wait(5)
+    engines.close()
+    servers.gate.set()
+    loading.join(5)
+    assert errors == [UNLOADING] and servers.built == [("a",), ("b",)]
+    assert engines.loaded() == () and servers.changes == [("load", "a")]

@@ -145,6 +145,8 @@ class _Engines:
     _recent: OrderedDict[str, None]
     """Loaded adapters, least recently used first."""
     _loading: bool
+    _closed: bool
+    """The model is unloading: no request starts and no load completes."""
 
     def __init__(
         self,
@@ -156,7 +158,7 @@ class _Engines:
         self._build, self._max, self._changed = build, max_loras, changed
         self._cond = threading.Condition()
         self._retired = []
-        self._loading = False
+        self._loading = self._closed = False
         loaded = declared[:max_loras]
         self._current = _Engine(build(loaded), loaded)
         self._recent = OrderedDict.fromkeys(loaded)
@@ -166,14 +168,15 @@ class _Engines:
     def acquire(self, adapter: str) -> _Engine:
         """The server to run a request on ('' = the base model), the adapter loaded; pair with :meth:`release`."""
         with self._cond:
-            while adapter and adapter not in self._current.adapters:
+            while True:
+                self._check_open()
+                if not adapter or adapter in self._current.adapters:
+                    return self._use(self._current, adapter)
                 if not self._loading and not self._retired:
                     self._loading = True
                     wanted = self._next_set(adapter)
                     break
                 self._cond.wait()
-            else:
-                return self._use(self._current, adapter)
         try:
             server = self._build(wanted)  # seconds: outside the lock, requests on loaded adapters go on
         except BaseException:
@@ -182,6 +185,9 @@ class _Engines:
                 self._cond.notify_all()
             raise
         with self._cond:
+            if self._closed:  # unloaded during the load: the new server goes with this frame
+                self._loading = False
+                self._check_open()
             self._swap(_Engine(server, wanted))
             return self._use(self._current, adapter)
 
@@ -199,10 +205,20 @@ class _Engines:
             return tuple(self._recent)
 
     def close(self) -> None:
-        """Drop every server (the model is unloading)."""
+        """Drop every server (the model is unloading); requests waiting for a load end with an error.
+
+        Requests running keep their server until they end.
+        """
         with self._cond:
+            self._closed = True
             self._retired.clear()
+            self._recent.clear()
             self._current = _Engine(None, ())
+            self._cond.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the model is unloading; send the request again once it is loaded")
 
     def _next_set(self, adapter: str) -> tuple[str, ...]:
         kept = list(self._recent)
@@ -346,11 +362,12 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Let running generations see the stop flag and end."""
         self._stopping = True
+        # First: a request waiting for a load ends now, rather than start one (a new server) while unloading.
+        self._engines.close()
         with self._lock:
             threads = list(self._threads)
         for thread in threads:
             thread.join(timeout=5)
-        self._engines.close()
 
     # -- one request -------------------------------------------------------
 
