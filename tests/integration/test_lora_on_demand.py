@@ -19,7 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.lora import lora_repository, write_adapter
+from tests.support.lora import QUESTION, chat_answer, lora_repository, write_adapter
 from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker.triton import TritonBackend, TritonBackendConfig, TritonProcessConfig
 
@@ -27,7 +27,6 @@ from .conftest import MeshHandle, running_mesh
 
 pytestmark = pytest.mark.integration
 
-QUESTION = "What is the capital of France?"
 SAMPLING = {"temperature": 0.0, "seed": 7, "max_tokens": 16}
 MODELS = ("smollm2", "smollm2:a", "smollm2:b")
 
@@ -58,12 +57,7 @@ def mesh(
 
 def answer(mesh: MeshHandle, model: str) -> str:
     """The whole text of one chat generation through the router."""
-    request = inference_pb2.GenerateRequest(
-        model=model, messages=[inference_pb2.ChatMessage(role="user", content=QUESTION)], **SAMPLING
-    )
-    chunks = list(mesh.inference.Generate(request, timeout=180))
-    assert chunks[-1].finish_reason in (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH)
-    return "".join(c.text for c in chunks)
+    return chat_answer(mesh.inference, model, SAMPLING)
 
 
 def adapter_metrics(mesh: MeshHandle) -> dict[tuple[str, str], float]:
