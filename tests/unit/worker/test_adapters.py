@@ -275,3 +275,28 @@ def test_a_load_that_ends_after_the_model_began_unloading_is_not_put_in_service(
     loading.join(5)
     assert errors == [UNLOADING] and servers.built == [("a",), ("b",)]
     assert engines.loaded() == () and servers.changes == [("load", "a")]
+
+
+def test_a_request_whose_caller_went_away_while_it_waited_for_a_load_starts_none(smollm2: Any) -> None:
+    servers = _Servers()
+    engines = smollm2._Engines(servers.build, ("a", "b", "c"), 1, servers.changed)
+    running_a = engines.acquire("a")
+    engines.release(engines.acquire("b"))  # a's server is kept for its request: the next load waits for it
+    gone = threading.Event()
+    outcome: list[str] = []
+
+    def request_for_c() -> None:
+        try:
+            engines.acquire("c", gone.is_set)
+        except smollm2._Cancelled:
+            outcome.append("cancelled")
+
+    waiting = threading.Thread(target=request_for_c)
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive()
+    gone.set()  # the caller cancels: the request ends without waiting for a's request
+    waiting.join(2)
+    assert not waiting.is_alive() and outcome == ["cancelled"]
+    engines.release(running_a)
+    assert servers.built == [("a",), ("b",)] and engines.loaded() == ("b",)  # c was never loaded, b not evicted

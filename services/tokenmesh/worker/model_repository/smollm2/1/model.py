@@ -89,6 +89,15 @@ def _max_loras(value: str, declared: int) -> int:
     return bound
 
 
+CANCEL_POLL_S = 0.2
+"""How often a request waiting for an adapter's load reads whether its caller went away (Triton's cancellation is
+a flag to read, not an event to wait on)."""
+
+
+class _Cancelled(Exception):
+    """The caller went away while its request waited for an adapter's load."""
+
+
 class _Engine:
     """One llama.cpp server and the adapters it loaded (their llama.cpp ids are their places here).
 
@@ -165,18 +174,25 @@ class _Engines:
         for name in loaded:
             changed("load", name)
 
-    def acquire(self, adapter: str) -> _Engine:
-        """The server to run a request on ('' = the base model), the adapter loaded; pair with :meth:`release`."""
+    def acquire(self, adapter: str, cancelled: Callable[[], bool] = lambda: False) -> _Engine:
+        """The server to run a request on ('' = the base model), the adapter loaded; pair with :meth:`release`.
+
+        Raises:
+            _Cancelled: ``cancelled()`` turned true while the request waited for a load; no load starts for it.
+
+        """
         with self._cond:
             while True:
                 self._check_open()
                 if not adapter or adapter in self._current.adapters:
                     return self._use(self._current, adapter)
+                if cancelled():  # a load for a caller gone is seconds of work and evicts an adapter in use
+                    raise _Cancelled
                 if not self._loading and not self._retired:
                     self._loading = True
                     wanted = self._next_set(adapter)
                     break
-                self._cond.wait()
+                self._cond.wait(CANCEL_POLL_S)
         try:
             server = self._build(wanted)  # seconds: outside the lock, requests on loaded adapters go on
         except BaseException:
@@ -375,7 +391,7 @@ class TritonPythonModel:
         try:
             # Waits while the adapter is being loaded (a new server: seconds); the server it returns keeps
             # running until this request ends, even if a later load replaces it for new requests.
-            engine = self._engines.acquire(adapter)
+            engine = self._engines.acquire(adapter, sender.is_cancelled)
             try:
                 lora = engine.lora(adapter)
                 if lora is not None:
@@ -387,6 +403,8 @@ class TritonPythonModel:
                 self._run(engine.server, sender, body, chat, streaming)
             finally:
                 self._engines.release(engine)
+        except _Cancelled:
+            sender.send(_response("", "cancelled", 0, 0, 0), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the client
             sender.send(
                 pb_utils.InferenceResponse(error=pb_utils.TritonError(f"model error: {exc}")),
