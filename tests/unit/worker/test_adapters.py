@@ -300,3 +300,24 @@ def test_a_request_whose_caller_went_away_while_it_waited_for_a_load_starts_none
     assert not waiting.is_alive() and outcome == ["cancelled"]
     engines.release(running_a)
     assert servers.built == [("a",), ("b",)] and engines.loaded() == ("b",)  # c was never loaded, b not evicted
+
+
+def test_a_replaced_server_with_no_request_left_is_torn_down_outside_the_lock(smollm2: Any) -> None:
+    """A llama.cpp server's teardown takes ~60 ms: under the lock it would stall every request's acquire."""
+    lock_free_at_teardown: list[bool] = []
+
+    class Server:
+        def __del__(self) -> None:
+            def try_lock() -> None:
+                got = engines._cond.acquire(timeout=0.5)
+                if got:
+                    engines._cond.release()
+                lock_free_at_teardown.append(got)
+
+            other = threading.Thread(target=try_lock)
+            other.start()
+            other.join()
+
+    engines = smollm2._Engines(lambda adapters: Server(), ("a", "b"), 1, lambda change, adapter: None)
+    engines.release(engines.acquire("b"))  # a's server, no request on it, goes
+    assert lock_free_at_teardown == [True]

@@ -204,7 +204,9 @@ class _Engines:
             if self._closed:  # unloaded during the load: the new server goes with this frame
                 self._loading = False
                 self._check_open()
-            self._swap(_Engine(server, wanted))
+            # Held past the lock: a server with no request left is torn down when this returns (~60 ms for
+            # SmolLM2), which under the lock would stall every request's acquire and release.
+            replaced = self._swap(_Engine(server, wanted))  # noqa: F841
             return self._use(self._current, adapter)
 
     def release(self, engine: _Engine) -> None:
@@ -242,7 +244,8 @@ class _Engines:
             kept = kept[len(kept) - self._max + 1 :]
         return (*kept, adapter)
 
-    def _swap(self, engine: _Engine) -> None:
+    def _swap(self, engine: _Engine) -> _Engine:
+        """Put engine in service; returns the one it replaced (kept for its requests if any)."""
         old, self._current, self._loading = self._current, engine, False
         for name in old.adapters:
             if name not in engine.adapters:
@@ -255,6 +258,7 @@ class _Engines:
         if old.users:
             self._retired.append(old)
         self._cond.notify_all()
+        return old
 
     def _use(self, engine: _Engine, adapter: str) -> _Engine:
         if adapter:
