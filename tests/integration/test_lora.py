@@ -14,14 +14,13 @@ import grpc
 import openai
 import pytest
 
-from tests.support.lora import lora_repository
+from tests.support.lora import QUESTION, chat_answer, lora_repository
 from tokenmesh.v1 import inference_pb2
 
 from .conftest import MeshHandle, running_mesh
 
 pytestmark = pytest.mark.integration
 
-QUESTION = "What is the capital of France?"
 SAMPLING = {"temperature": 0.0, "seed": 7, "max_tokens": 24}
 
 
@@ -35,12 +34,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, demo_adapter: Path) -> Iterat
 
 def answer(mesh: MeshHandle, model: str) -> str:
     """The whole text of one chat generation through the router."""
-    request = inference_pb2.GenerateRequest(
-        model=model, messages=[inference_pb2.ChatMessage(role="user", content=QUESTION)], **SAMPLING
-    )
-    chunks = list(mesh.inference.Generate(request, timeout=120))
-    assert chunks[-1].finish_reason in (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH)
-    return "".join(c.text for c in chunks)
+    return chat_answer(mesh.inference, model, SAMPLING)
 
 
 def test_the_adapter_is_listed_and_answers_otherwise_than_its_base_at_the_same_seed(mesh: MeshHandle) -> None:

@@ -67,6 +67,21 @@ def adapter_counts(metrics_url: str) -> dict[tuple[str, str], float]:
     }
 
 
+def start(mesh: Mesh, tmp_path: Path, workers: dict[str, Path]) -> None:
+    """Each worker on its address with its own repository (as two pods would be), and a router naming them."""
+    for i, (address, repository) in enumerate(workers.items()):
+        mesh.workers.append(
+            mesh.spawn(
+                f"worker-{i}",
+                "worker",
+                *("--host", HOST, "--port", address.rsplit(":", 1)[1], "--work-dir", str(tmp_path / f"worker-{i}")),
+                *("--model-repository", str(repository), "--slots", "2"),
+            )
+        )
+    mesh.router = mesh.spawn("router", "router", "--host", HOST, "--port", "0", "--workers", ",".join(workers))
+    mesh.wait_ready([*mesh.workers, mesh.router])
+
+
 def test_an_adapters_requests_go_to_the_worker_that_has_it_loaded_while_it_has_room(
     tmp_path: Path, demo_adapter: Path
 ) -> None:
@@ -84,19 +99,9 @@ def test_an_adapters_requests_go_to_the_worker_that_has_it_loaded_while_it_has_r
     mesh = Mesh(MeshConfig(port=0, log_dir=str(tmp_path / "logs"), metrics=True))
     pids: list[int] = []
     try:
-        for i, repository in enumerate(repositories):
-            port = addresses[i].rsplit(":", 1)[1]
-            mesh.workers.append(
-                mesh.spawn(
-                    f"worker-{i}",
-                    "worker",
-                    *("--host", HOST, "--port", port, "--work-dir", str(tmp_path / f"worker-{i}")),
-                    *("--model-repository", str(repository), "--slots", "2"),
-                )
-            )
-        mesh.router = mesh.spawn("router", "router", "--host", HOST, "--port", "0", "--workers", ",".join(addresses))
-        mesh.wait_ready([*mesh.workers, mesh.router])
+        start(mesh, tmp_path, dict(zip(addresses, repositories, strict=True)))
         pids = mesh_pids(mesh)
+        assert mesh.router is not None
         with grpc.insecure_channel(mesh.router.address) as channel:
             wait_serving(channel, 2, timeout_s=120)
             listed = inference_pb2_grpc.InferenceStub(channel).ListModels(inference_pb2.ListModelsRequest(), timeout=5)

@@ -7,6 +7,7 @@ starts the mesh as ``tokenmesh up`` does, each service its own process.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,8 +107,12 @@ async def test_32_concurrent_requests_over_2_router_processes_and_the_gateway_st
         # The next one that does not fit in what is left (the refunds are in) is refused, with the headers.
         remaining = QUOTA - used
         late_body = {**body, "max_tokens": max(1, remaining - 6)}  # reserves 7 + max_tokens > remaining
+        asked = time.monotonic()
         late = await http.post("/completions", json=late_body, headers=auth)
+        waited = time.monotonic() - asked
     assert late.status_code == 429 and late.json()["error"]["code"] == "resource_exhausted", late.text
     assert late.headers["x-ratelimit-limit-tokens"] == str(QUOTA)
     assert late.headers["x-ratelimit-remaining-tokens"] == str(remaining)
     assert 0 < int(late.headers["retry-after"]) <= WINDOW_S * 1.1 + 1
+    # Its hint ends past the gateway's retry deadline (10 s): refused at once, not retried until the deadline.
+    assert waited < 5, waited

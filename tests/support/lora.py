@@ -5,12 +5,17 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
 
 ROOT = Path(__file__).resolve().parents[2]
+QUESTION = "What is the capital of France?"
+"""The question the LoRA tests ask: each adapter answers it otherwise than the base model at one seed."""
 
 
 def make_lora() -> ModuleType:
@@ -52,3 +57,13 @@ def lora_repository(folder: Path, adapters: dict[str, Path], max_loras: int | st
         assert found == 1, "the shipped config.pbtxt declares no max_loras parameter"
     config.write_text(text)
     return repository
+
+
+def chat_answer(inference: inference_pb2_grpc.InferenceStub, model: str, sampling: Mapping[str, Any]) -> str:
+    """The whole text of one chat generation of :data:`QUESTION` through the router (sampling: its fields)."""
+    request = inference_pb2.GenerateRequest(
+        model=model, messages=[inference_pb2.ChatMessage(role="user", content=QUESTION)], **sampling
+    )
+    chunks = list(inference.Generate(request, timeout=180))
+    assert chunks[-1].finish_reason in (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH)
+    return "".join(c.text for c in chunks)

@@ -224,3 +224,100 @@ def test_the_model_resolves_adapter_paths_against_its_folder_and_names_what_is_w
         smollm2._adapters("a:b=adapters/demo.gguf", str(tmp_path))
     with pytest.raises(_ModelException, match=r"'demo' is named twice"):
         smollm2._adapters("demo=adapters/demo.gguf,demo=adapters/demo.gguf", str(tmp_path))
+
+
+UNLOADING = "the model is unloading; send the request again once it is loaded"
+
+
+def _acquire_in_thread(engines: Any, adapter: str, errors: list[str]) -> threading.Thread:
+    """A request for adapter on its own thread; the error it ends with is appended to errors."""
+
+    def run() -> None:
+        try:
+            engines.acquire(adapter)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_an_unloading_model_ends_the_requests_waiting_for_a_load_and_starts_no_server(smollm2: Any) -> None:
+    servers = _Servers()
+    engines = smollm2._Engines(servers.build, ("a", "b", "c"), 1, servers.changed)
+    running_a = engines.acquire("a")
+    running_b = engines.acquire("b")  # a's server is kept for its request: the next load waits for it
+    errors: list[str] = []
+    waiting = _acquire_in_thread(engines, "c", errors)
+    waiting.join(0.2)
+    assert waiting.is_alive()
+    engines.close()
+    waiting.join(2)
+    assert not waiting.is_alive() and errors == [UNLOADING]
+    engines.release(running_a)  # a's server goes: still no load
+    engines.release(running_b)
+    assert servers.built == [("a",), ("b",)] and engines.loaded() == ()
+    with pytest.raises(RuntimeError, match=UNLOADING):
+        engines.acquire("")  # the base model too: there is no server left
+
+
+def test_a_load_that_ends_after_the_model_began_unloading_is_not_put_in_service(smollm2: Any) -> None:
+    servers = _Servers()
+    engines = smollm2._Engines(servers.build, ("a", "b"), 1, servers.changed)
+    servers.gate.clear()
+    servers.building.clear()
+    errors: list[str] = []
+    loading = _acquire_in_thread(engines, "b", errors)
+    assert servers.building.wait(5)
+    engines.close()
+    servers.gate.set()
+    loading.join(5)
+    assert errors == [UNLOADING] and servers.built == [("a",), ("b",)]
+    assert engines.loaded() == () and servers.changes == [("load", "a")]
+
+
+def test_a_request_whose_caller_went_away_while_it_waited_for_a_load_starts_none(smollm2: Any) -> None:
+    servers = _Servers()
+    engines = smollm2._Engines(servers.build, ("a", "b", "c"), 1, servers.changed)
+    running_a = engines.acquire("a")
+    engines.release(engines.acquire("b"))  # a's server is kept for its request: the next load waits for it
+    gone = threading.Event()
+    outcome: list[str] = []
+
+    def request_for_c() -> None:
+        try:
+            engines.acquire("c", gone.is_set)
+        except smollm2._Cancelled:
+            outcome.append("cancelled")
+
+    waiting = threading.Thread(target=request_for_c)
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive()
+    gone.set()  # the caller cancels: the request ends without waiting for a's request
+    waiting.join(2)
+    assert not waiting.is_alive() and outcome == ["cancelled"]
+    engines.release(running_a)
+    assert servers.built == [("a",), ("b",)] and engines.loaded() == ("b",)  # c was never loaded, b not evicted
+
+
+def test_a_replaced_server_with_no_request_left_is_torn_down_outside_the_lock(smollm2: Any) -> None:
+    """A llama.cpp server's teardown takes ~60 ms: under the lock it would stall every request's acquire."""
+    lock_free_at_teardown: list[bool] = []
+
+    class Server:
+        def __del__(self) -> None:
+            def try_lock() -> None:
+                got = engines._cond.acquire(timeout=0.5)
+                if got:
+                    engines._cond.release()
+                lock_free_at_teardown.append(got)
+
+            other = threading.Thread(target=try_lock)
+            other.start()
+            other.join()
+
+    engines = smollm2._Engines(lambda adapters: Server(), ("a", "b"), 1, lambda change, adapter: None)
+    engines.release(engines.acquire("b"))  # a's server, no request on it, goes
+    assert lock_free_at_teardown == [True]

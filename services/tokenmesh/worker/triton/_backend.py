@@ -140,7 +140,10 @@ class TritonBackend(Backend):
             tail = self.process.log_tail()
             if "already in use" in tail:
                 raise PortTaken(tail)
-            raise RuntimeError(f"tritonserver exited during start:\n{tail}")
+            # The model's own error, which the tail (Triton's tables, then "failed to load all models") lacks.
+            failures = self.process.load_failures()
+            why = f" (model {'; model '.join(failures)})" if failures else ""
+            raise RuntimeError(f"tritonserver exited during start{why}:\n{tail}")
         try:
             self._models = await self._model_specs()
         except InferenceServerException as exc:

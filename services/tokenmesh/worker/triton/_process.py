@@ -107,6 +107,21 @@ class TritonProcessConfig:
     """More tritonserver flags, after ours (e.g. ``--model-control-mode=explicit``)."""
 
 
+_LOAD_FAILED = re.compile(r"""\] "failed to load '(?P<model>[^']+)' version \d+: (?P<reason>.*?)(?:\\n|"$)""")
+"""Triton's log line for a model that failed to load; its reason (the model's own exception) up to the first
+escaped newline (a traceback follows)."""
+
+
+def load_failures(log: str) -> list[str]:
+    """'<model>: <reason>' for each model Triton's log says failed to load.
+
+    A tritonserver whose model fails exits with only "failed to load all models" as its last line, the model's
+    own error some 40 lines above (the tables of backends, models and options come between), and its repository
+    index, which has the reason too, is gone with it.
+    """
+    return [f"{m['model']}: {m['reason']}" for m in map(_LOAD_FAILED.search, log.splitlines()) if m is not None]
+
+
 class TritonProcess:
     """A ``tritonserver`` child process; :meth:`stop` is safe to call twice."""
 
@@ -220,13 +235,19 @@ class TritonProcess:
 
     def log_tail(self, lines: int = 15) -> str:
         """The end of Triton's log since its latest start, for error messages."""
+        return "\n".join(self._log_since_start().splitlines()[-lines:])
+
+    def load_failures(self) -> list[str]:
+        """Each model that failed to load since the latest start, with the reason Triton logged."""
+        return load_failures(self._log_since_start())
+
+    def _log_since_start(self) -> str:
         try:
             with self.log_path.open("rb") as log_file:
                 log_file.seek(self._log_start)
-                text = log_file.read().decode(errors="replace")
+                return log_file.read().decode(errors="replace")
         except OSError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
 
     async def stop(self) -> None:
         """SIGTERM, then SIGKILL if it has not ended in 10 s."""

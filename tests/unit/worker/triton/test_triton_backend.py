@@ -12,6 +12,7 @@ from tritonclient.utils import InferenceServerException
 
 from tokenmesh.worker import ModelSpec
 from tokenmesh.worker.triton import TritonBackend, TritonBackendConfig, TritonProcessConfig, _backend
+from tokenmesh.worker.triton._process import load_failures
 
 READY = {"models": [{"name": "m", "state": "READY"}]}
 LOADING = {"models": [{"name": "m", "state": "LOADING"}]}
@@ -56,8 +57,8 @@ class FakeClient:
 class FakeProcess:
     """A tritonserver that exits at once with the given log on its first `exits` starts, then runs."""
 
-    def __init__(self, exits: int = 0, tail: str = "") -> None:
-        self.exits, self.tail = exits, tail
+    def __init__(self, exits: int = 0, tail: str = "", log: str = "") -> None:
+        self.exits, self.tail, self.log = exits, tail, log
         self.starts = self.stops = 0
         self.url = "127.0.0.1:1"
         self.pid = 4242
@@ -71,6 +72,9 @@ class FakeProcess:
 
     def log_tail(self, lines: int = 15) -> str:
         return self.tail
+
+    def load_failures(self) -> list[str]:
+        return load_failures(self.log)
 
     async def stop(self) -> None:
         self.stops += 1
@@ -118,6 +122,31 @@ async def test_a_tritonserver_that_exited_stops_the_poll_at_once_with_its_log_ta
         await backend.start()
     assert time.monotonic() - started < 1  # not the 60 s start timeout
     assert FakeClient.made[0].index_calls == 0
+    await backend.stop()
+
+
+async def test_a_tritonserver_that_exited_for_a_model_says_the_models_own_error_which_its_tail_lacks() -> None:
+    # Triton's log as it reads when a model's initialize raises (its tables between the error and the tail).
+    log = "\n".join(
+        [
+            'I1202 21:23:46.997772 19305 pb_stub.cc:366] "Failed to initialize Python stub: TritonModelException: x"',
+            "E1202 21:23:47.213880 19305 model_lifecycle.cc:642] \"failed to load 'smollm2' version 1: Internal: "
+            "TritonModelException: max_loras: '0' is not a positive integer (the most ...)\\n\\nAt:\\n  model.py(85)\"",
+            "E1202 21:23:47.213881 19305 model_lifecycle.cc:642] \"failed to load 'other' version 3: Invalid argument: "
+            'bad config"',
+            "I1202 21:23:47.213899 19305 model_lifecycle.cc:777] \"failed to load 'smollm2'\"",
+            "| smollm2 | 1       | UNAVAILABLE: Internal: TritonModelException: max_loras: '0' is not ... |",
+        ]
+    )
+    backend = own(FakeProcess(exits=1, tail="error: creating server: Internal - failed to load all models", log=log))
+    why = (
+        "tritonserver exited during start (model smollm2: Internal: TritonModelException: max_loras: '0' is not a "
+        "positive integer (the most ...); model other: Invalid argument: bad config):\n"
+        "error: creating server: Internal - failed to load all models"
+    )
+    with pytest.raises(RuntimeError) as raised:
+        await backend.start()
+    assert str(raised.value) == why
     await backend.stop()
 
 

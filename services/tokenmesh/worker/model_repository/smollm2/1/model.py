@@ -89,6 +89,15 @@ def _max_loras(value: str, declared: int) -> int:
     return bound
 
 
+CANCEL_POLL_S = 0.2
+"""How often a request waiting for an adapter's load reads whether its caller went away (Triton's cancellation is
+a flag to read, not an event to wait on)."""
+
+
+class _Cancelled(Exception):
+    """The caller went away while its request waited for an adapter's load."""
+
+
 class _Engine:
     """One llama.cpp server and the adapters it loaded (their llama.cpp ids are their places here).
 
@@ -145,6 +154,8 @@ class _Engines:
     _recent: OrderedDict[str, None]
     """Loaded adapters, least recently used first."""
     _loading: bool
+    _closed: bool
+    """The model is unloading: no request starts and no load completes."""
 
     def __init__(
         self,
@@ -156,24 +167,32 @@ class _Engines:
         self._build, self._max, self._changed = build, max_loras, changed
         self._cond = threading.Condition()
         self._retired = []
-        self._loading = False
+        self._loading = self._closed = False
         loaded = declared[:max_loras]
         self._current = _Engine(build(loaded), loaded)
         self._recent = OrderedDict.fromkeys(loaded)
         for name in loaded:
             changed("load", name)
 
-    def acquire(self, adapter: str) -> _Engine:
-        """The server to run a request on ('' = the base model), the adapter loaded; pair with :meth:`release`."""
+    def acquire(self, adapter: str, cancelled: Callable[[], bool] = lambda: False) -> _Engine:
+        """The server to run a request on ('' = the base model), the adapter loaded; pair with :meth:`release`.
+
+        Raises:
+            _Cancelled: ``cancelled()`` turned true while the request waited for a load; no load starts for it.
+
+        """
         with self._cond:
-            while adapter and adapter not in self._current.adapters:
+            while True:
+                self._check_open()
+                if not adapter or adapter in self._current.adapters:
+                    return self._use(self._current, adapter)
+                if cancelled():  # a load for a caller gone is seconds of work and evicts an adapter in use
+                    raise _Cancelled
                 if not self._loading and not self._retired:
                     self._loading = True
                     wanted = self._next_set(adapter)
                     break
-                self._cond.wait()
-            else:
-                return self._use(self._current, adapter)
+                self._cond.wait(CANCEL_POLL_S)
         try:
             server = self._build(wanted)  # seconds: outside the lock, requests on loaded adapters go on
         except BaseException:
@@ -182,7 +201,12 @@ class _Engines:
                 self._cond.notify_all()
             raise
         with self._cond:
-            self._swap(_Engine(server, wanted))
+            if self._closed:  # unloaded during the load: the new server goes with this frame
+                self._loading = False
+                self._check_open()
+            # Held past the lock: a server with no request left is torn down when this returns (~60 ms for
+            # SmolLM2), which under the lock would stall every request's acquire and release.
+            replaced = self._swap(_Engine(server, wanted))  # noqa: F841
             return self._use(self._current, adapter)
 
     def release(self, engine: _Engine) -> None:
@@ -199,10 +223,20 @@ class _Engines:
             return tuple(self._recent)
 
     def close(self) -> None:
-        """Drop every server (the model is unloading)."""
+        """Drop every server (the model is unloading); requests waiting for a load end with an error.
+
+        Requests running keep their server until they end.
+        """
         with self._cond:
+            self._closed = True
             self._retired.clear()
+            self._recent.clear()
             self._current = _Engine(None, ())
+            self._cond.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the model is unloading; send the request again once it is loaded")
 
     def _next_set(self, adapter: str) -> tuple[str, ...]:
         kept = list(self._recent)
@@ -210,7 +244,8 @@ class _Engines:
             kept = kept[len(kept) - self._max + 1 :]
         return (*kept, adapter)
 
-    def _swap(self, engine: _Engine) -> None:
+    def _swap(self, engine: _Engine) -> _Engine:
+        """Put engine in service; returns the one it replaced (kept for its requests if any)."""
         old, self._current, self._loading = self._current, engine, False
         for name in old.adapters:
             if name not in engine.adapters:
@@ -223,6 +258,7 @@ class _Engines:
         if old.users:
             self._retired.append(old)
         self._cond.notify_all()
+        return old
 
     def _use(self, engine: _Engine, adapter: str) -> _Engine:
         if adapter:
@@ -349,11 +385,12 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Let running generations see the stop flag and end."""
         self._stopping = True
+        # First: a request waiting for a load ends now, rather than start one (a new server) while unloading.
+        self._engines.close()
         with self._lock:
             threads = list(self._threads)
         for thread in threads:
             thread.join(timeout=5)
-        self._engines.close()
 
     # -- one request -------------------------------------------------------
 
@@ -361,7 +398,7 @@ class TritonPythonModel:
         try:
             # Waits while the adapter is being loaded (a new server: seconds); the server it returns keeps
             # running until this request ends, even if a later load replaces it for new requests.
-            engine = self._engines.acquire(adapter)
+            engine = self._engines.acquire(adapter, sender.is_cancelled)
             try:
                 lora = engine.lora(adapter)
                 if lora is not None:
@@ -373,6 +410,8 @@ class TritonPythonModel:
                 self._run(engine.server, sender, body, chat, streaming)
             finally:
                 self._engines.release(engine)
+        except _Cancelled:
+            sender.send(_response("", "cancelled", 0, 0, 0), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the client
             sender.send(
                 pb_utils.InferenceResponse(error=pb_utils.TritonError(f"model error: {exc}")),
