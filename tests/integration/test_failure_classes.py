@@ -244,9 +244,15 @@ async def test_triton_port_taken_before_it_binds_is_retried_on_new_ports(tmp_pat
     held.bind(("127.0.0.1", 0))
     held.listen()
     taken = held.getsockname()[1]
-    picks = iter([taken])  # the first port handed to Triton is already in use
-    real = _process._free_port
-    monkeypatch.setattr(_process, "_free_port", lambda host: next(picks, None) or real(host))
+    picks = iter([taken])  # the first (gRPC) port handed to Triton is already in use
+    real = _process._free_ports
+
+    def ports(host: str, count: int) -> list[int]:
+        fresh = real(host, count)
+        first = next(picks, None)
+        return fresh if first is None else [first, *fresh[1:]]
+
+    monkeypatch.setattr(_process, "_free_ports", ports)
     process = triton.TritonProcessConfig(work_dir=tmp_path, model_repository=Path(FAULTY))
     backend = triton.TritonBackend(triton.TritonBackendConfig(process=process))
     try:

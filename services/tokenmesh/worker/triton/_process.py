@@ -79,10 +79,17 @@ def _pytriton_dir() -> Path:
     return Path(pytriton.__file__).parent
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def _free_ports(host: str, count: int) -> list[int]:
+    """Ports free on host now, all different.
+
+    Bound at once: one after the other, the kernel may hand out the port just released twice, and Triton then
+    refused to serve gRPC and metrics on one port.
+    """
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,8 +199,7 @@ class TritonProcess:
         cfg = self.config
         cfg.work_dir.mkdir(parents=True, exist_ok=True)
         backend_dir, models = self._prepare()
-        self.grpc_port = _free_port(cfg.host)
-        self.metrics_port = _free_port(cfg.host)
+        self.grpc_port, self.metrics_port = _free_ports(cfg.host, 2)
         binary = _pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
         args = [
             str(binary),
