@@ -88,7 +88,8 @@ class Telemetry:
                 self.engine_pending = None
             else:
                 self.engine_pending = stats.pending
-                # Kept over a scrape that failed: the set changes only with a load.
+                # Kept over a scrape that says nothing of adapters (its metrics fetch failed, or the model has
+                # none to publish): the set changes only with a load.
                 self.adapters = stats.adapters or self.adapters
                 if previous is not None and stats.queued_total > previous.queued_total:
                     mean_ns = (stats.queue_ns_total - previous.queue_ns_total) / (
