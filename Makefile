@@ -47,7 +47,7 @@ check: $(STAMP) ## the fast loop: ruff, mypy, tests/unit (no Triton, no in-proce
 test: $(STAMP) test-deps ## every test: checks, unit, mesh, repo, integration (real Triton), cluster (root); browser: make test-browser
 	$(BIN)/python scripts/gen_protos.py --check
 	$(BIN)/python scripts/gen_config_docs.py --check
-	$(BIN)/pytest -q -m "not browser" $(PYTEST_ARGS) tests
+	$(BIN)/pytest -q -m "not browser" --durations=25 $(PYTEST_ARGS) tests
 
 test-browser: $(STAMP) ## the headless-Chromium EventSource resume test (installs Debian's chromium when missing)
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q --no-install-recommends chromium)

@@ -281,7 +281,14 @@ class Cluster:
                 if sorted(full) == want:
                     break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{router.name} does not route to every worker:\n{table}")
+                    lost = [w for w in self.workers if w.address not in full]
+                    said = router.log_path.read_text(errors="replace").splitlines() if router.log_path.exists() else []
+                    logs = "".join(
+                        f"\n{w.name} (alive: {w.alive()}) log:\n{w.log_tail()}\n{router.name} on it:\n"
+                        + "\n".join([line for line in said if w.address in line][-10:])
+                        for w in lost
+                    )
+                    raise RuntimeError(f"{router.name} does not route to every worker:\n{table}{logs}")
                 time.sleep(0.2)
 
     def kill(self, service: Service) -> None:
