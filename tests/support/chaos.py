@@ -506,7 +506,8 @@ async def rolling_row(cluster: Cluster, *, streams: int, tokens: int, via_gatewa
         await callers.streaming()
         began = time.monotonic()
         for service in rollout:
-            drained_s = await asyncio.to_thread(cluster.restart, service)
+            drained_s = await asyncio.to_thread(cluster.stop_draining, service)
+            cluster.spawn(service)  # from this thread (see Cluster.stop_draining)
             spawned = time.monotonic()
             await asyncio.to_thread(cluster.wait_ready, [service])
             await asyncio.to_thread(cluster.wait_routable)

@@ -353,8 +353,12 @@ class Cluster:
         self.dns = DnsServer(self.network.gateway, 53, zone=self.dns.zone).start()
         self.dns_stopped = False
 
-    def restart(self, service: Service, grace_s: float = 60) -> float:
-        """SIGTERM the service (it drains), wait until it exited, start it again; seconds it took to exit."""
+    def stop_draining(self, service: Service, grace_s: float = 60) -> float:
+        """SIGTERM the service (it drains) and wait until it exited; seconds it took.
+
+        Start it again with :meth:`spawn` from the thread that runs the tests, not a pool's: the kernel sends a
+        child's PR_SET_PDEATHSIG when the *thread* that forked it exits (asyncio.run ends its pool's threads).
+        """
         assert service.proc is not None
         service.note_pids()
         began = time.monotonic()
@@ -365,9 +369,7 @@ class Cluster:
             service.proc.kill()
             service.proc.wait()
             raise RuntimeError(f"{service.name} did not exit within {grace_s:g} s of SIGTERM") from None
-        drained_s = time.monotonic() - began
-        self.spawn(service)
-        return drained_s
+        return time.monotonic() - began
 
     def strays(self) -> list[int]:
         """Processes in the pods that belong to no running service (a killed worker's Triton, say)."""
