@@ -22,7 +22,11 @@ _TRAMPOLINE = (
 
 
 def dies_with_parent(argv: list[str], nice: int = 0) -> list[str]:
-    """Argv wrapped so the program gets SIGKILL when this process dies (and runs ``nice`` lower)."""
+    """Argv wrapped so the program gets SIGKILL when this process dies (and runs ``nice`` lower).
+
+    Fork it from a thread that lives as long as the process (the event loop's): the kernel sends the signal when
+    the *thread* that forked the child exits, e.g. a pool thread of asyncio.to_thread.
+    """
     return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), str(nice), *argv]
 
 

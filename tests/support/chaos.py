@@ -507,7 +507,7 @@ async def rolling_row(cluster: Cluster, *, streams: int, tokens: int, via_gatewa
         began = time.monotonic()
         for service in rollout:
             drained_s = await asyncio.to_thread(cluster.stop_draining, service)
-            cluster.spawn(service)  # from this thread (see Cluster.stop_draining)
+            cluster.spawn(service)  # from the main thread, not to_thread's (see Cluster.spawn)
             spawned = time.monotonic()
             await asyncio.to_thread(cluster.wait_ready, [service])
             await asyncio.to_thread(cluster.wait_routable)

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,11 +132,12 @@ class Service:
         if self.proc is not None:
             self.pids += [pid for pid in descendants(self.proc.pid) if pid not in self.pids]
 
-    def log_tail(self, lines: int = 30) -> str:
-        """The end of its log."""
+    def log_tail(self, lines: int = 30, containing: str = "") -> str:
+        """The end of its log: its last lines (those containing ``containing``)."""
         if not self.log_path.exists():
             return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        said = [line for line in self.log_path.read_text(errors="replace").splitlines() if containing in line]
+        return "\n".join(said[-lines:])
 
 
 class Cluster:
@@ -231,7 +233,14 @@ class Cluster:
             self.dns.zone.set(name, *(s.pod.address for s in self.routers))
 
     def spawn(self, service: Service) -> None:
-        """Start (or start again) the service in its pod; returns at once."""
+        """Start (or start again) the service in its pod; returns at once.
+
+        Only from the main thread: the kernel sends a child's PR_SET_PDEATHSIG (``dies_with_parent``) when the
+        *thread* that forked it exits, and asyncio.run ends its pool's threads, so a service started from
+        asyncio.to_thread would be SIGKILLed at the end of its row.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(f"spawn {service.name} from the main thread: it dies with the thread that forks it")
         service.ready_file.unlink(missing_ok=True)
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         log = service.log_path.open("ab")
@@ -282,10 +291,9 @@ class Cluster:
                     break
                 if time.monotonic() > deadline:
                     lost = [w for w in self.workers if w.address not in full]
-                    said = router.log_path.read_text(errors="replace").splitlines() if router.log_path.exists() else []
                     logs = "".join(
-                        f"\n{w.name} (alive: {w.alive()}) log:\n{w.log_tail()}\n{router.name} on it:\n"
-                        + "\n".join([line for line in said if w.address in line][-10:])
+                        f"\n{w.name} (alive: {w.alive()}) log:\n{w.log_tail()}\n"
+                        f"{router.name} on it:\n{router.log_tail(10, containing=w.address)}"
                         for w in lost
                     )
                     raise RuntimeError(f"{router.name} does not route to every worker:\n{table}{logs}")
@@ -354,11 +362,8 @@ class Cluster:
         self.dns_stopped = False
 
     def stop_draining(self, service: Service, grace_s: float = 60) -> float:
-        """SIGTERM the service (it drains) and wait until it exited; seconds it took.
-
-        Start it again with :meth:`spawn` from the thread that runs the tests, not a pool's: the kernel sends a
-        child's PR_SET_PDEATHSIG when the *thread* that forked it exits (asyncio.run ends its pool's threads).
-        """
+        """SIGTERM the service (it drains) and wait until it exited; seconds it took (:meth:`spawn` starts it
+        again, from the main thread)."""
         assert service.proc is not None
         service.note_pids()
         began = time.monotonic()
