@@ -14,7 +14,8 @@ prefix): N multi-turn chats at once, --turns turns each (every turn sends the
 whole history: a distinct system prompt of about --system-tokens tokens, the
 user turns and the model's answers so far), in --blocks alternating blocks of
 fresh chats with a session key (labels["session"]) and without one (the
-prefix rule). Prints the turns each worker served per block, TTFT p50/p99 of
+prefix rule), each chat waiting --think-s between an answer and its next
+turn. Prints the turns each worker served per block, TTFT p50/p99 of
 the turns after the first for each, the router's placement counts and the
 ratio session / prefix of their p50 (target <= 1.0).
 
@@ -115,6 +116,8 @@ def chat_turns(
     history = [inference_pb2.ChatMessage(role="system", content=system)]
     turns = []
     for turn in range(args.turns):
+        if turn:
+            time.sleep(args.think_s)  # the person reads the answer and types the next turn
         history.append(inference_pb2.ChatMessage(role="user", content=f"Turn {turn}: which rules name a river?"))
         request = inference_pb2.GenerateRequest(
             messages=history, max_tokens=args.max_tokens, ignore_eos=True, temperature=0
@@ -188,7 +191,8 @@ def run_sessions(args: argparse.Namespace) -> None:
             ]
     print(
         f"\n{args.sessions} chats at once x {args.turns} turns, system prompts of ~{args.system_tokens} tokens, "
-        f"{args.max_tokens} output tokens a turn, {args.workers} workers, {args.blocks} alternating blocks"
+        f"{args.max_tokens} output tokens a turn, {args.think_s:g} s between turns, {args.workers} workers, "
+        f"{args.blocks} alternating blocks"
     )
     print(
         f"{'placement':10} {'turn 1 p50 s':>13} {'later p50 s':>12} {'later p99 s':>12} {'later turns':>12}"
@@ -232,6 +236,13 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=0, help="multi-turn chats at once: session key vs prefix")
     parser.add_argument("--turns", type=int, default=4, help="with --sessions: turns per chat")
     parser.add_argument("--blocks", type=int, default=4, help="with --sessions: alternating blocks (session first)")
+    parser.add_argument(
+        "--think-s",
+        type=float,
+        default=0.0,
+        help="with --sessions: seconds a chat waits after an answer before its next turn (a person reading and "
+        "typing); 0 = closed loop, where a chat stuck in a long prefill leaves the others a less loaded machine",
+    )
     args = parser.parse_args()
     if args.sessions:
         run_sessions(args)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from tests.support.processes import descendants
@@ -120,6 +121,13 @@ def describe(address: str) -> worker_pb2.DescribeResponse:
         return worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=5)
 
 
+def shm_regions(triton_pid: int) -> list[Path]:
+    """The /dev/shm regions of a running Triton's Python backend, by the prefix its worker named on its command line."""
+    flag = "--backend-config=python,shm-region-prefix-name="
+    [prefix] = [a.removeprefix(flag) for a in psutil.Process(triton_pid).cmdline() if a.startswith(flag)]
+    return sorted(Path("/dev/shm").glob(f"{prefix}*"))
+
+
 def test_killed_triton_is_restarted_and_weight_recovers(faulty: MeshHandle) -> None:
     wait_all_routable(faulty)
     worker = faulty.mesh.workers[1]
@@ -127,6 +135,8 @@ def test_killed_triton_is_restarted_and_weight_recovers(faulty: MeshHandle) -> N
     old_pid = describe(worker.address).triton_pid
     stubs = descendants(old_pid)[1:]
     assert stubs, "the model's Python stub runs under Triton"
+    regions = shm_regions(old_pid)
+    assert regions, "Triton's Python backend keeps its regions in /dev/shm, named by the worker's prefix"
     # Killed while generating: a busy stub is the one that outlived its Triton.
     channel = grpc.insecure_channel(worker.address)
     start = worker_pb2.WorkerCommand(
@@ -152,6 +162,7 @@ def test_killed_triton_is_restarted_and_weight_recovers(faulty: MeshHandle) -> N
     assert describe(worker.address).triton_pid not in (0, old_pid)
     assert not alive(old_pid)
     assert not left_behind(stubs, 5), "a SIGKILLed Triton's model stub must end too"
+    assert not [r for r in regions if r.exists()], "the killed Triton's shared memory is removed at its restart"
     with contextlib.suppress(grpc.RpcError):
         list(running)  # ended by the kill
     channel.close()

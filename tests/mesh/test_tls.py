@@ -210,14 +210,16 @@ async def test_renewed_certificates_reach_new_connections_and_live_streams_go_on
             inference_pb2.GenerateRequest(prompt="long", max_tokens=100), timeout=30
         )
         seqs = [(await stream.read()).seq]
+        # Taken before the files change: the router looks every 0.1 s here, so it may renew while the check
+        # below connects (CI saw the channels taken after the renewal, and waited for one more).
+        before = {a: link.channel for a, link in mesh.router.links.items()}
+        watches = {a: link.tasks["health watch"] for a, link in mesh.router.links.items()}
         # cert-manager renews in place: same CA, new key and certificate, for router and workers alike.
         ca = load_ca(mesh.folder)
         for role in ("router", "worker"):
             issue(mesh.folder, role, ca)
         renewed = await asyncio.to_thread(served_serial, address, mesh.folder)
         assert renewed != first
-        before = {a: link.channel for a, link in mesh.router.links.items()}
-        watches = {a: link.tasks["health watch"] for a, link in mesh.router.links.items()}
         await wait_until(lambda: all(mesh.router.links[a].channel is not c for a, c in before.items()), timeout=5)
         # Each worker's health watch started again on its new channel; the stream above runs on on its old one.
         await wait_until(lambda: all(t.done() for t in watches.values()))

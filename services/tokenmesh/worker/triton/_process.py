@@ -23,6 +23,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from tokenmesh.process import dies_with_parent
+from tokenmesh.worker.triton._shm import ShmRegions
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class TritonProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self.log_path = config.work_dir / "tritonserver.log"
         self._log_start = 0
+        self.shm = ShmRegions()
 
     @property
     def url(self) -> str:
@@ -201,6 +203,7 @@ class TritonProcess:
         backend_dir, models = self._prepare()
         self.grpc_port, self.metrics_port = _free_ports(cfg.host, 2)
         binary = _pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
+        self.shm.claim()  # what a killed Triton (this one's last, or a dead worker's) left in /dev/shm goes
         args = [
             str(binary),
             f"--model-repository={models}",
@@ -213,6 +216,7 @@ class TritonProcess:
             f"--metrics-port={self.metrics_port}",
             "--exit-timeout-secs=5",
             "--log-verbose=0",
+            *self.shm.backend_config(),
             *cfg.extra_args,
         ]
         log_file = self.log_path.open("ab")
@@ -256,7 +260,14 @@ class TritonProcess:
             return ""
 
     async def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it has not ended in 10 s."""
+        """SIGTERM, then SIGKILL if it has not ended in 10 s; then its shared-memory regions go."""
+        try:
+            await self._end()
+        finally:
+            if self.exited():  # not while a cancelled stop leaves it running
+                self.shm.release()
+
+    async def _end(self) -> None:
         proc = self._proc
         if proc is None or proc.returncode is not None:
             return
