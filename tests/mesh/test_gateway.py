@@ -138,6 +138,8 @@ async def test_a_generation_over_its_timeout_is_504() -> None:
 
 
 async def test_sse_bytes_headers_ids_and_done(mesh: InProcessMesh) -> None:
+    for backend in mesh.backends:  # a token each 20 ms: one event each (unread tokens merge on a loaded machine)
+        backend.delay = 0.02
     async with gateway_over(mesh) as gateway, httpx.AsyncClient(base_url=gateway.url) as http:
         body = {**CHAT, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
         async with http.stream("POST", "/chat/completions", json=body, headers={"X-Request-Id": "r-1"}) as response:
