@@ -31,10 +31,12 @@ def regions(folder: Path, prefix: str) -> list[str]:
 
 
 def test_a_dead_owners_regions_go_at_the_next_claim_and_a_live_ones_stay(tmp_path: Path) -> None:
-    owner = [subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True)]
-    owner.append(subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True))
+    owner = [
+        subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     try:
-        dead, alive = owner
+        dead = owner[0]  # the other stays alive
         prefixes = [p.stdout.readline().strip() for p in owner]  # type: ignore[union-attr]
         assert all(len(regions(tmp_path, p)) == 3 for p in prefixes)
         (tmp_path / "triton_python_backend_shm_region_other").write_bytes(b"x")  # not ours: never touched
