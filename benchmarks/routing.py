@@ -15,17 +15,24 @@ whole history: a distinct system prompt of about --system-tokens tokens, the
 user turns and the model's answers so far), in --blocks alternating blocks of
 fresh chats with a session key (labels["session"]) and without one (the
 prefix rule), each chat waiting --think-s between an answer and its next
-turn. Prints the turns each worker served per block, TTFT p50/p99 of
-the turns after the first for each, the router's placement counts and the
-ratio session / prefix of their p50 (target <= 1.0).
+turn (a closed loop: a policy whose turns are slow offers less load, which
+flatters its own p50), or with --turn-every-s on a fixed schedule that both
+arms share (an open loop: the same load offered to each; pick a period the
+workers can carry, or the turns queue and it is a closed loop again). Prints
+the turns each worker served per block, TTFT p50/p99 of the turns after the
+first for each, the router's placement counts and the ratio session / prefix
+of their p50 (target <= 1.0).
 
     .venv/bin/python benchmarks/routing.py --requests 24
     .venv/bin/python benchmarks/routing.py --sessions 8 --turns 4 --blocks 4
+    .venv/bin/python benchmarks/routing.py --sessions 4 --turns 4 --blocks 8 --max-tokens 16 \
+        --system-tokens 600 --turn-every-s 20
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import threading
 import time
@@ -110,13 +117,23 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[str], order:
 
 
 def chat_turns(
-    stub: inference_pb2_grpc.InferenceStub, args: argparse.Namespace, system: str, key: str
-) -> list[tuple[float, int, int]]:
-    """One conversation, turn after turn, each with the whole history; each turn's TTFT, cached and prompt tokens."""
+    stub: inference_pb2_grpc.InferenceStub, args: argparse.Namespace, system: str, key: str, chat: int, start: float
+) -> list[tuple[float, int, int, float, float, float]]:
+    """One conversation, turn after turn, each with the whole history.
+
+    Each turn's TTFT, cached and prompt tokens, the engine's own TTFT (ms), when it was sent (from ``start``) and
+    how late (after its due time, with --turn-every-s).
+    """
     history = [inference_pb2.ChatMessage(role="system", content=system)]
     turns = []
     for turn in range(args.turns):
-        if turn:
+        due = time.monotonic()
+        if args.turn_every_s:
+            # Open loop: turn i is due at the chat's phase + i periods whatever the answers took (no sooner than the
+            # previous answer's end), so both arms offer the same load and a slow turn does not thin out the others'.
+            due = start + args.turn_every_s * (chat / args.sessions + turn)
+            time.sleep(max(0.0, due - time.monotonic()))
+        elif turn:
             time.sleep(args.think_s)  # the person reads the answer and types the next turn
         history.append(inference_pb2.ChatMessage(role="user", content=f"Turn {turn}: which rules name a river?"))
         request = inference_pb2.GenerateRequest(
@@ -125,13 +142,17 @@ def chat_turns(
         if key:
             request.labels["session"] = key
         sent, ttft, answer, usage = time.monotonic(), float("nan"), [], inference_pb2.Usage()
+        engine_ttft_ms = float("nan")
         for chunk in stub.Generate(request, timeout=900):
             if chunk.text and ttft != ttft:
                 ttft = time.monotonic() - sent
+            if chunk.timing.HasField("engine_ttft_ms"):
+                engine_ttft_ms = chunk.timing.engine_ttft_ms
             answer.append(chunk.text)
             if chunk.HasField("usage"):
                 usage = chunk.usage
-        turns.append((ttft, usage.cached_prompt_tokens, usage.prompt_tokens))
+        late = max(0.0, sent - due)
+        turns.append((ttft, usage.cached_prompt_tokens, usage.prompt_tokens, engine_ttft_ms, sent - start, late))
         history.append(inference_pb2.ChatMessage(role="assistant", content="".join(answer)))
     return turns
 
@@ -153,6 +174,8 @@ def run_sessions(args: argparse.Namespace) -> None:
     reused: dict[str, list[int]] = {"session": [0, 0], "prefix": [0, 0]}
     # Each block's later turns' TTFTs and its time, for the spread over block pairs.
     blocks: dict[str, list[tuple[list[float], float]]] = {"session": [], "prefix": []}
+    dumped: list[dict[str, object]] = []
+    lateness: dict[str, list[float]] = {"session": [], "prefix": []}
     with running_mesh(MeshConfig(workers=args.workers, port=0, extra_env=env, metrics=True)) as mesh:
         assert mesh.router is not None
         channel = grpc.insecure_channel(mesh.router.address)
@@ -168,12 +191,22 @@ def run_sessions(args: argparse.Namespace) -> None:
             keys = [f"bench-{block}-{k}" if mode == "session" else "" for k in range(args.sessions)]
             started = time.monotonic()
             with ThreadPoolExecutor(args.sessions) as pool:
-                runs = list(pool.map(lambda sk: chat_turns(stub, args, *sk), zip(systems, keys, strict=True)))
+                chats = zip(systems, keys, range(args.sessions), [started] * args.sessions, strict=True)
+                runs = list(pool.map(lambda chat: chat_turns(stub, args, *chat), chats))
+            if args.dump:
+                for chat, r in enumerate(runs):
+                    for turn, (ttft, cached, prompt, engine_ms, sent, late_s) in enumerate(r):
+                        dumped.append(
+                            {"block": block, "mode": mode, "chat": chat, "turn": turn, "sent_s": sent}
+                            | {"late_s": late_s, "ttft_s": ttft, "engine_ttft_ms": engine_ms}
+                            | {"cached": cached, "prompt": prompt}
+                        )
             first[mode] += [r[0][0] for r in runs]
             later[mode] += [t[0] for r in runs for t in r[1:]]
             blocks[mode].append(([t[0] for r in runs for t in r[1:]], time.monotonic() - started))
             for r in runs:
-                for _, cached, prompt in r[1:]:
+                for _, cached, prompt, _, _, late_s in r[1:]:
+                    lateness[mode].append(late_s)
                     reused[mode][0] += cached
                     reused[mode][1] += prompt
             table = operator.GetRoutingTable(router_pb2.GetRoutingTableRequest()).workers
@@ -191,7 +224,9 @@ def run_sessions(args: argparse.Namespace) -> None:
             ]
     print(
         f"\n{args.sessions} chats at once x {args.turns} turns, system prompts of ~{args.system_tokens} tokens, "
-        f"{args.max_tokens} output tokens a turn, {args.think_s:g} s between turns, {args.workers} workers, "
+        f"{args.max_tokens} output tokens a turn, "
+        + (f"a turn due every {args.turn_every_s:g} s" if args.turn_every_s else f"{args.think_s:g} s between turns")
+        + f", {args.workers} workers, "
         f"{args.blocks} alternating blocks"
     )
     print(
@@ -205,6 +240,13 @@ def run_sessions(args: argparse.Namespace) -> None:
             f"{percentile(later[mode], 99):12.3f} {len(later[mode]):12d} {cached / max(prompt, 1):7.1%}"
         )
     print("router placements and migrations over all blocks:", "; ".join(placed))
+    if args.turn_every_s:
+        for mode in ("session", "prefix"):
+            late = [x for x in lateness[mode] if x > 0.05]
+            print(
+                f"{mode}: {len(late)} of {len(lateness[mode])} later turns sent over 50 ms after due, "
+                f"p50 {percentile(late, 50) if late else 0:.2f} s late"
+            )
     pairs = list(zip(blocks["session"], blocks["prefix"], strict=False))
     p50s = sorted(percentile(s[0], 50) / percentile(p[0], 50) for s, p in pairs)
     means = sorted(sum(s[0]) / len(s[0]) / (sum(p[0]) / len(p[0])) for s, p in pairs)
@@ -214,6 +256,10 @@ def run_sessions(args: argparse.Namespace) -> None:
     print(f"session / prefix TTFT p50 of later turns: {ratio:.3f} (target <= 1.0); block pairs {_spread(p50s)}")
     print(f"session / prefix TTFT mean of later turns: {mean:.3f}; block pairs {_spread(means)}")
     print(f"session / prefix block time (all turns of its chats): block pairs {_spread(times)}")
+    if args.dump:
+        with open(args.dump, "w") as out:
+            json.dump(dumped, out, indent=1)
+        print(f"every turn written to {args.dump}")
 
 
 def _spread(values: list[float]) -> str:
@@ -243,6 +289,14 @@ def main() -> None:
         help="with --sessions: seconds a chat waits after an answer before its next turn (a person reading and "
         "typing); 0 = closed loop, where a chat stuck in a long prefill leaves the others a less loaded machine",
     )
+    parser.add_argument(
+        "--turn-every-s",
+        type=float,
+        default=0.0,
+        help="with --sessions: open loop instead: each chat's turns are due this many seconds apart (chats phased "
+        "evenly over the period), sent when due or when the previous answer ends if later; prints how late",
+    )
+    parser.add_argument("--dump", help="with --sessions: write every turn (block, chat, TTFT, engine TTFT) as JSON")
     args = parser.parse_args()
     if args.sessions:
         run_sessions(args)
