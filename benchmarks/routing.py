@@ -38,6 +38,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import grpc
 from common import percentile, running_mesh
@@ -116,14 +117,25 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[str], order:
     }
 
 
+class Turn(NamedTuple):
+    """One turn of a chat as its caller saw it (``--dump`` writes these)."""
+
+    ttft_s: float
+    cached: int
+    """Prompt tokens llama.cpp reused from its cache."""
+    prompt: int
+    engine_ttft_ms: float
+    """The engine's own TTFT (the mesh's final chunk timing)."""
+    sent_s: float
+    """When it was sent, from its block's start."""
+    late_s: float
+    """How long after its due time it was sent (with --turn-every-s; else 0)."""
+
+
 def chat_turns(
     stub: inference_pb2_grpc.InferenceStub, args: argparse.Namespace, system: str, key: str, chat: int, start: float
-) -> list[tuple[float, int, int, float, float, float]]:
-    """One conversation, turn after turn, each with the whole history.
-
-    Each turn's TTFT, cached and prompt tokens, the engine's own TTFT (ms), when it was sent (from ``start``) and
-    how late (after its due time, with --turn-every-s).
-    """
+) -> list[Turn]:
+    """One conversation, turn after turn, each with the whole history."""
     history = [inference_pb2.ChatMessage(role="system", content=system)]
     turns = []
     for turn in range(args.turns):
@@ -151,8 +163,16 @@ def chat_turns(
             answer.append(chunk.text)
             if chunk.HasField("usage"):
                 usage = chunk.usage
-        late = max(0.0, sent - due)
-        turns.append((ttft, usage.cached_prompt_tokens, usage.prompt_tokens, engine_ttft_ms, sent - start, late))
+        turns.append(
+            Turn(
+                ttft,
+                usage.cached_prompt_tokens,
+                usage.prompt_tokens,
+                engine_ttft_ms,
+                sent - start,
+                max(0.0, sent - due),
+            )
+        )
         history.append(inference_pb2.ChatMessage(role="assistant", content="".join(answer)))
     return turns
 
@@ -174,8 +194,8 @@ def run_sessions(args: argparse.Namespace) -> None:
     reused: dict[str, list[int]] = {"session": [0, 0], "prefix": [0, 0]}
     # Each block's later turns' TTFTs and its time, for the spread over block pairs.
     blocks: dict[str, list[tuple[list[float], float]]] = {"session": [], "prefix": []}
-    dumped: list[dict[str, object]] = []
-    lateness: dict[str, list[float]] = {"session": [], "prefix": []}
+    # Every turn as (block, mode, chat, turn number, turn), for --dump and the lateness of --turn-every-s.
+    turns: list[tuple[int, str, int, int, Turn]] = []
     with running_mesh(MeshConfig(workers=args.workers, port=0, extra_env=env, metrics=True)) as mesh:
         assert mesh.router is not None
         channel = grpc.insecure_channel(mesh.router.address)
@@ -193,22 +213,14 @@ def run_sessions(args: argparse.Namespace) -> None:
             with ThreadPoolExecutor(args.sessions) as pool:
                 chats = zip(systems, keys, range(args.sessions), [started] * args.sessions, strict=True)
                 runs = list(pool.map(lambda chat: chat_turns(stub, args, *chat), chats))
-            if args.dump:
-                for chat, r in enumerate(runs):
-                    for turn, (ttft, cached, prompt, engine_ms, sent, late_s) in enumerate(r):
-                        dumped.append(
-                            {"block": block, "mode": mode, "chat": chat, "turn": turn, "sent_s": sent}
-                            | {"late_s": late_s, "ttft_s": ttft, "engine_ttft_ms": engine_ms}
-                            | {"cached": cached, "prompt": prompt}
-                        )
-            first[mode] += [r[0][0] for r in runs]
-            later[mode] += [t[0] for r in runs for t in r[1:]]
-            blocks[mode].append(([t[0] for r in runs for t in r[1:]], time.monotonic() - started))
+            turns += [(block, mode, chat, i, t) for chat, r in enumerate(runs) for i, t in enumerate(r)]
+            first[mode] += [r[0].ttft_s for r in runs]
+            later[mode] += [t.ttft_s for r in runs for t in r[1:]]
+            blocks[mode].append(([t.ttft_s for r in runs for t in r[1:]], time.monotonic() - started))
             for r in runs:
-                for _, cached, prompt, _, _, late_s in r[1:]:
-                    lateness[mode].append(late_s)
-                    reused[mode][0] += cached
-                    reused[mode][1] += prompt
+                for t in r[1:]:
+                    reused[mode][0] += t.cached
+                    reused[mode][1] += t.prompt
             table = operator.GetRoutingTable(router_pb2.GetRoutingTableRequest()).workers
             split = "/".join(str(w.served_total - served.get(w.address, 0)) for w in table)
             print(
@@ -226,8 +238,7 @@ def run_sessions(args: argparse.Namespace) -> None:
         f"\n{args.sessions} chats at once x {args.turns} turns, system prompts of ~{args.system_tokens} tokens, "
         f"{args.max_tokens} output tokens a turn, "
         + (f"a turn due every {args.turn_every_s:g} s" if args.turn_every_s else f"{args.think_s:g} s between turns")
-        + f", {args.workers} workers, "
-        f"{args.blocks} alternating blocks"
+        + f", {args.workers} workers, {args.blocks} alternating blocks"
     )
     print(
         f"{'placement':10} {'turn 1 p50 s':>13} {'later p50 s':>12} {'later p99 s':>12} {'later turns':>12}"
@@ -242,9 +253,10 @@ def run_sessions(args: argparse.Namespace) -> None:
     print("router placements and migrations over all blocks:", "; ".join(placed))
     if args.turn_every_s:
         for mode in ("session", "prefix"):
-            late = [x for x in lateness[mode] if x > 0.05]
+            mine = [t.late_s for _, m, _, i, t in turns if m == mode and i]
+            late = [x for x in mine if x > 0.05]
             print(
-                f"{mode}: {len(late)} of {len(lateness[mode])} later turns sent over 50 ms after due, "
+                f"{mode}: {len(late)} of {len(mine)} later turns sent over 50 ms after due, "
                 f"p50 {percentile(late, 50) if late else 0:.2f} s late"
             )
     pairs = list(zip(blocks["session"], blocks["prefix"], strict=False))
@@ -258,7 +270,8 @@ def run_sessions(args: argparse.Namespace) -> None:
     print(f"session / prefix block time (all turns of its chats): block pairs {_spread(times)}")
     if args.dump:
         with open(args.dump, "w") as out:
-            json.dump(dumped, out, indent=1)
+            records = [{"block": b, "mode": m, "chat": c, "turn": i, **t._asdict()} for b, m, c, i, t in turns]
+            json.dump(records, out, indent=1)
         print(f"every turn written to {args.dump}")
 
 
