@@ -2,14 +2,17 @@
 
 :class:`TritonProcess` runs the ``tritonserver`` binary shipped in the
 nvidia-pytriton wheel on loopback ports, in a per-worker folder.
-:class:`TritonBackend` forwards generations to a Triton (its own or one given by
-URL) as one ``ModelStreamInfer`` call each, on a decoupled model whose tensors
-follow the Triton vLLM backend contract, and reads queue statistics through the
-same generated stub; ``tritonclient`` serves the rest (model index, configs,
-readiness, loading).
+:class:`TritonBackend` forwards generations to a Triton as one streaming
+request each, on a decoupled model whose tensors follow the Triton vLLM
+backend contract: to its own Triton as one HTTP ``generate_stream`` request
+(server-sent events, one socket read for every response that has arrived),
+to one given by URL as one gRPC ``ModelStreamInfer`` call (TLS where asked).
+It reads queue statistics through the generated gRPC stub; ``tritonclient``
+serves the rest (model index, configs, readiness, loading).
 
 The modules, one job each: ``_process`` (the tritonserver child), ``_codec``
-(the tensors on the wire), ``_generation`` (one streaming call), ``_metrics``
+(the tensors on the wire), ``_generation`` (one gRPC streaming call), ``_sse``
+(one HTTP streaming request), ``_metrics``
 (the Prometheus endpoint) and ``_backend`` (the :class:`Backend` over them).
 """
 
@@ -25,6 +28,7 @@ from tokenmesh.worker.triton._process import (
     TritonProcessConfig,
     synthetic_repository,
 )
+from tokenmesh.worker.triton._sse import TritonSseGeneration
 
 __all__ = [
     "DEFAULT_MODEL_REPOSITORY",
@@ -38,6 +42,7 @@ __all__ = [
     "TritonGeneration",
     "TritonProcess",
     "TritonProcessConfig",
+    "TritonSseGeneration",
     "build_request",
     "decode_first",
     "encode_bytes",

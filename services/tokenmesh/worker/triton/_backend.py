@@ -27,6 +27,7 @@ from tokenmesh.worker._backend import (
 from tokenmesh.worker.triton._generation import TritonGeneration
 from tokenmesh.worker.triton._metrics import _fetch_text, parse_metrics
 from tokenmesh.worker.triton._process import PortTaken, TritonProcess, TritonProcessConfig
+from tokenmesh.worker.triton._sse import TritonSseGeneration
 
 log = logging.getLogger(__name__)
 
@@ -214,9 +215,11 @@ class TritonBackend(Backend):
         return list(self._models)
 
     def generate(self, params: GenerationParams) -> Generation:
-        """A streaming generation on Triton."""
+        """A streaming generation on Triton: over HTTP on our own (._sse says why), over gRPC on one by URL."""
         if self._stub is None:
             raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, "Triton backend is not started")
+        if self.process is not None:
+            return TritonSseGeneration(self.process.config.host, self.process.http_port, params)
         return TritonGeneration(self._stub, params)
 
     async def failed(self) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2
 
-from tokenmesh.worker._backend import GenerationParams
+from tokenmesh.worker._backend import Delta, Finished, GenerationParams
 
 
 def _add_input(request: service_pb2.ModelInferRequest, name: str, datatype: str, raw: bytes) -> None:
@@ -47,8 +47,8 @@ def decode_first(raw: bytes) -> str:
     return raw[4 : 4 + size].decode("utf-8", errors="replace")
 
 
-def build_request(params: GenerationParams) -> service_pb2.ModelInferRequest:
-    """The vLLM-backend tensors for a generation (plus the messages extension), as raw contents."""
+def sampling_parameters(params: GenerationParams) -> dict[str, Any]:
+    """The vLLM backend's ``sampling_parameters`` for a generation (what both transports send, as JSON)."""
     sampling: dict[str, Any] = {"max_tokens": params.max_tokens}
     if params.temperature is not None:
         sampling["temperature"] = params.temperature
@@ -62,14 +62,23 @@ def build_request(params: GenerationParams) -> service_pb2.ModelInferRequest:
         sampling["ignore_eos"] = True
     if params.adapter:
         sampling["lora_name"] = params.adapter  # the vLLM backend's key, which our llama.cpp model reads too
+    return sampling
+
+
+def build_request(params: GenerationParams) -> service_pb2.ModelInferRequest:
+    """The vLLM-backend tensors for a generation (plus the messages extension), as raw contents."""
     request = service_pb2.ModelInferRequest(model_name=params.model, id=params.request_id)
     _add_input(request, "text_input", "BYTES", encode_bytes(params.prompt))
     _add_input(request, "stream", "BOOL", b"\x01")
-    _add_input(request, "sampling_parameters", "BYTES", encode_bytes(json.dumps(sampling)))
+    _add_input(request, "sampling_parameters", "BYTES", encode_bytes(json.dumps(sampling_parameters(params))))
     if params.messages:
-        messages = [{"role": role, "content": content} for role, content in params.messages]
-        _add_input(request, "messages", "BYTES", encode_bytes(json.dumps(messages)))
+        _add_input(request, "messages", "BYTES", encode_bytes(messages_json(params)))
     return request
+
+
+def messages_json(params: GenerationParams) -> str:
+    """The ``messages`` extension's JSON: the chat as role/content objects, for the model's own template."""
+    return json.dumps([{"role": role, "content": content} for role, content in params.messages])
 
 
 class _Outputs:
@@ -109,3 +118,23 @@ class _Outputs:
     @property
     def final(self) -> bool:
         return bool(self.response.parameters["triton_final_response"].bool_param)
+
+
+def last_events(
+    finish_reason: str, input_tokens: int, cached_tokens: int, text: str, tokens: int, completion_tokens: int
+) -> tuple[Delta | Finished, ...]:
+    """The events of a final response: its text, if any (a non-streaming backend sends it all there), then the end.
+
+    Args:
+        finish_reason: its ``finish_reason`` ("" reads as "stop").
+        input_tokens: its ``num_input_tokens``.
+        cached_tokens: its ``num_cached_tokens`` (smollm2's extension; 0 for a model without it).
+        text: its ``text_output``.
+        tokens: its ``num_output_tokens`` (a total, or this response's share).
+        completion_tokens: tokens streamed before it.
+
+    """
+    finished = Finished(finish_reason or "stop", input_tokens, max(tokens, completion_tokens), cached_tokens)
+    if not text:
+        return (finished,)
+    return Delta(text, max(tokens - completion_tokens, 0)), finished

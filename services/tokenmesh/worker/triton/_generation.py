@@ -12,7 +12,7 @@ from tritonclient.grpc import service_pb2_grpc
 from tokenmesh.errors import classify_backend_message
 from tokenmesh.v1 import worker_pb2
 from tokenmesh.worker._backend import BackendError, Delta, Finished, Generation, GenerationParams
-from tokenmesh.worker.triton._codec import MalformedBytes, _Outputs, build_request
+from tokenmesh.worker.triton._codec import MalformedBytes, _Outputs, build_request, last_events
 
 
 def _rpc_error_class(exc: grpc.aio.AioRpcError) -> worker_pb2.ErrorClass:
@@ -70,7 +70,14 @@ class TritonGeneration(Generation):
                     if text:
                         yield Delta(text, tokens)
                     continue
-                for event in _last(outputs, text, tokens, completion_tokens):
+                for event in last_events(
+                    outputs.text("finish_reason"),
+                    outputs.uint("num_input_tokens"),
+                    outputs.uint("num_cached_tokens"),
+                    text,
+                    tokens,
+                    completion_tokens,
+                ):
                     yield event
                 return
         except asyncio.CancelledError as exc:
@@ -119,25 +126,3 @@ class TritonGeneration(Generation):
             # (the backend restarting), which grpc reports as a cancelled read.
             raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, "Triton: the channel closed mid-stream") from exc
         raise exc
-
-
-def _last(outputs: _Outputs, text: str, tokens: int, completion_tokens: int) -> tuple[Delta | Finished, ...]:
-    """The events of the final response: its text, if any (a non-streaming backend sends it all there), then the end.
-
-    Args:
-        outputs: the final response's outputs.
-        text: its ``text_output``.
-        tokens: its ``num_output_tokens`` (a total, or this response's share).
-        completion_tokens: tokens streamed before it.
-
-    """
-    finished = Finished(
-        outputs.text("finish_reason") or "stop",
-        outputs.uint("num_input_tokens"),
-        max(tokens, completion_tokens),
-        # smollm2's extension; a model without it (the stock vLLM backend, the synthetic one) reads as 0.
-        outputs.uint("num_cached_tokens"),
-    )
-    if not text:
-        return (finished,)
-    return Delta(text, max(tokens - completion_tokens, 0)), finished

@@ -136,6 +136,7 @@ class TritonProcess:
     def __init__(self, config: TritonProcessConfig) -> None:
         self.config = config
         self.grpc_port = 0
+        self.http_port = 0
         self.metrics_port = 0
         self._proc: asyncio.subprocess.Process | None = None
         self.log_path = config.work_dir / "tritonserver.log"
@@ -201,7 +202,7 @@ class TritonProcess:
         cfg = self.config
         cfg.work_dir.mkdir(parents=True, exist_ok=True)
         backend_dir, models = self._prepare()
-        self.grpc_port, self.metrics_port = _free_ports(cfg.host, 2)
+        self.grpc_port, self.http_port, self.metrics_port = _free_ports(cfg.host, 3)
         binary = _pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
         self.shm.claim()  # what a killed Triton (this one's last, or a dead worker's) left in /dev/shm goes
         args = [
@@ -211,7 +212,9 @@ class TritonProcess:
             f"--cache-directory={_pytriton_dir() / 'tritonserver' / 'caches'}",
             f"--grpc-address={cfg.host}",
             f"--grpc-port={self.grpc_port}",
-            "--allow-http=false",
+            # HTTP for the generations' streams (._sse: cheaper per token than a gRPC read), gRPC for the rest.
+            f"--http-address={cfg.host}",
+            f"--http-port={self.http_port}",
             f"--metrics-address={cfg.host}",
             f"--metrics-port={self.metrics_port}",
             "--exit-timeout-secs=5",
