@@ -31,7 +31,8 @@ from tokenmesh.worker.triton._codec import last_events, messages_json, sampling_
 _EVENT_END = b"\n\n"
 _DATA = b"data: "
 _HELD_EVENTS = 1024
-"""Events parsed and not yet taken at which the socket stops being read."""
+"""Events parsed and not yet taken at which the socket stops being read (the rest waits in the kernel's buffers,
+then in Triton's: its HTTP server queues what it cannot write, so this bounds the worker's memory, not Triton's)."""
 
 
 def build_body(params: GenerationParams) -> bytes:
@@ -108,9 +109,14 @@ class _Exchange(asyncio.Protocol):
         *events, self._partial = chunk.split(_EVENT_END)
         self.events.extend(event[len(_DATA) :] for event in events if event.startswith(_DATA))
         if len(self.events) >= _HELD_EVENTS and self._transport is not None and not self._paused:
-            # A reader behind (the worker's loop busy): let the socket fill and Triton wait, as gRPC's window would.
+            # A reader behind (the worker's loop busy): leave the rest in the socket, not in this list.
             self._paused = True
             self._transport.pause_reading()
+
+    @property
+    def rest(self) -> bytes:
+        """Body bytes that are no complete event: all of a refusal's plain JSON body."""
+        return self._partial
 
     def take(self) -> list[bytes]:
         """The events parsed so far, in order; reading resumes if they had filled the hold."""
@@ -154,6 +160,7 @@ class TritonSseGeneration(Generation):
         self._params = params
         self._exchange: _Exchange | None = None
         self._cancelled = False
+        self._timed_out = False
 
     def cancel(self) -> None:
         """Close the connection: Triton marks the request cancelled, the model stops."""
@@ -169,41 +176,59 @@ class TritonSseGeneration(Generation):
         params = self._params
         exchange = self._exchange = _Exchange(build_request(self._host, self._port, params))
         streamed = _Streamed()
+        loop = asyncio.get_running_loop()
+        deadline = None if params.timeout_s is None else loop.time() + params.timeout_s
+        # The deadline closes the socket (one timer, not one per read); it never cancels our consumer's task.
+        timer = None if deadline is None else loop.call_at(deadline, self._time_out)
         try:
-            async with asyncio.timeout(params.timeout_s):
-                await self._connect(exchange)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await loop.create_connection(lambda: exchange, self._host, self._port)
+            except (OSError, TimeoutError) as exc:
+                if not self._cancelled:
+                    raise self._unreachable(exc) from exc
+            else:
                 async for data in _payloads(exchange):
                     for event in streamed.events(data):
                         yield event
                     if streamed.finished:
                         return
-        except TimeoutError as exc:
-            if not self._cancelled:
-                raise BackendError(
-                    worker_pb2.ERROR_CLASS_TIMEOUT, f"Triton: no end within the generation's {params.timeout_s:g} s"
-                ) from exc
         finally:
+            if timer is not None:
+                timer.cancel()
             exchange.close()  # no-op once Triton ended the response
         yield self._ended(exchange, streamed)
 
-    async def _connect(self, exchange: _Exchange) -> None:
-        try:
-            await asyncio.get_running_loop().create_connection(lambda: exchange, self._host, self._port)
-        except OSError as exc:
-            raise BackendError(
-                worker_pb2.ERROR_CLASS_UNAVAILABLE, f"Triton: cannot reach {self._host}:{self._port}: {exc}"
-            ) from exc
+    def _time_out(self) -> None:
+        self._timed_out = True
+        if self._exchange is not None:
+            self._exchange.close()
+
+    def _unreachable(self, exc: BaseException) -> BackendError:
+        if self._timed_out or isinstance(exc, TimeoutError):
+            return self._timeout()
+        return BackendError(
+            worker_pb2.ERROR_CLASS_UNAVAILABLE, f"Triton: cannot reach {self._host}:{self._port}: {exc}"
+        )
+
+    def _timeout(self) -> BackendError:
+        return BackendError(
+            worker_pb2.ERROR_CLASS_TIMEOUT, f"Triton: no end within the generation's {self._params.timeout_s:g} s"
+        )
 
     def _ended(self, exchange: _Exchange, streamed: _Streamed) -> Finished:
         """How a response that ended without a final event ends the generation (or why it fails)."""
         if self._cancelled:
             return Finished("cancelled", 0, streamed.completion_tokens)
+        if self._timed_out:
+            raise self._timeout()
         if exchange.broken is not None:
             raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, f"Triton sent a malformed response: {exchange.broken}")
         if not exchange.complete:
             raise BackendError(worker_pb2.ERROR_CLASS_UNAVAILABLE, "Triton: the connection closed mid-stream")
         if exchange.status != 200:
-            raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, f"Triton: HTTP {exchange.status} with no error")
+            # Refused before any response (model unknown or not ready, server stopping): a plain JSON body.
+            raise _refused(exchange.status, _error_text(exchange.rest))
         # A model without a finish_reason output (the stock vLLM backend) ends its stream without saying why.
         return Finished("stop", streamed.input_tokens, streamed.completion_tokens)
 
@@ -214,11 +239,8 @@ async def _payloads(exchange: _Exchange) -> AsyncIterator[dict[str, Any]]:
         await exchange.wait()
         for raw in exchange.take():
             data = _decode(raw)
-            if "error" in data:
-                error = str(data["error"])
-                raise BackendError(classify_backend_message(error), f"Triton: {error}")
-            if exchange.status != 200:
-                raise BackendError(worker_pb2.ERROR_CLASS_BACKEND, f"Triton: HTTP {exchange.status}")
+            if "error" in data or exchange.status != 200:
+                raise _refused(exchange.status, str(data.get("error") or ""))
             yield data
         if exchange.closed and not exchange.events:
             return
@@ -246,6 +268,30 @@ class _Streamed:
             return last_events(finish_reason, self.input_tokens, cached, text, tokens, self.completion_tokens)
         self.completion_tokens += tokens
         return (Delta(text, tokens),) if text else ()
+
+
+_STATUS_CLASSES = {
+    404: worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND,
+    503: worker_pb2.ERROR_CLASS_UNAVAILABLE,
+}
+"""The class of a refusal whose text says nothing more specific (Triton's HttpCodeFromError)."""
+
+
+def _refused(status: int, error: str) -> BackendError:
+    """Triton's error (an ``error`` event, or a refusal's body), classified by its text, else by the HTTP status."""
+    error_class = classify_backend_message(error) if error else worker_pb2.ERROR_CLASS_BACKEND
+    if error_class == worker_pb2.ERROR_CLASS_BACKEND:
+        error_class = _STATUS_CLASSES.get(status, error_class)
+    return BackendError(error_class, f"Triton: {error}" if error else f"Triton: HTTP {status} with no error")
+
+
+def _error_text(body: bytes) -> str:
+    """The ``error`` of a JSON body, or the body itself (cut short) when it is not one."""
+    try:
+        data = json.loads(body.decode("utf-8", errors="replace"))
+    except ValueError:
+        return body[:200].decode("utf-8", errors="replace").strip()
+    return str(data.get("error") or "") if isinstance(data, dict) else ""
 
 
 def _decode(raw: bytes) -> dict[str, Any]:

@@ -151,6 +151,30 @@ async def test_a_refused_request_fails_with_tritons_words() -> None:
     assert raised.value.message == "Triton: bad request: Expecting value: line 1 column 1 (char 0)"
 
 
+@pytest.mark.parametrize(
+    ("status", "body", "error_class", "message"),
+    [
+        (
+            b"404 Not Found",
+            b'{"error":"Request for unknown model: \'m\' is not found"}',
+            worker_pb2.ERROR_CLASS_MODEL_NOT_FOUND,
+            "Triton: Request for unknown model: 'm' is not found",
+        ),
+        (b"503 Service Unavailable", b'{"error":"Server is stopping"}', worker_pb2.ERROR_CLASS_UNAVAILABLE, None),
+        (b"500 Internal Server Error", b"oops", worker_pb2.ERROR_CLASS_BACKEND, "Triton: oops"),
+    ],
+)
+async def test_a_refusal_with_a_plain_body_keeps_tritons_words_and_its_class(
+    status: bytes, body: bytes, error_class: int, message: str | None
+) -> None:
+    head = b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (status, len(body))
+    async with Server([head + body]) as server:
+        with pytest.raises(BackendError) as raised:
+            await events(TritonSseGeneration("127.0.0.1", server.port, params()))
+    assert raised.value.error_class == error_class
+    assert raised.value.message == (message or f"Triton: {json.loads(body)['error']}")
+
+
 async def test_a_connection_closed_mid_stream_is_an_unavailable_backend() -> None:
     async with Server([HEAD_200, token("a")]) as server:  # then the server closes, no final chunk
         made = TritonSseGeneration("127.0.0.1", server.port, params())
@@ -204,6 +228,15 @@ async def test_cancelled_before_it_starts_it_ends_cancelled_without_a_connection
     assert server.requests == []
 
 
+async def test_cancelled_while_the_connect_fails_it_ends_cancelled_not_unreachable() -> None:
+    async with Server([]) as server:
+        port = server.port
+    made = TritonSseGeneration("127.0.0.1", port, params())
+    first = asyncio.ensure_future(anext(made.__aiter__()))
+    asyncio.get_running_loop().call_soon(made.cancel)  # after the connect started, before it failed
+    assert await first == Finished("cancelled", 0, 0)
+
+
 async def test_nothing_listening_is_an_unavailable_backend() -> None:
     async with Server([]) as server:
         port = server.port
@@ -220,3 +253,14 @@ async def test_no_end_within_the_generations_timeout_is_a_timeout_and_the_connec
         await asyncio.wait_for(server.client_closed.wait(), 5)
     assert raised.value.error_class == worker_pb2.ERROR_CLASS_TIMEOUT
     assert raised.value.message == "Triton: no end within the generation's 0.3 s"
+
+
+async def test_the_deadline_passing_while_the_consumer_is_busy_fails_the_generation_not_the_consumer() -> None:
+    async with Server([HEAD_200, token("a"), "hang"]) as server:
+        stream = TritonSseGeneration("127.0.0.1", server.port, params(timeout_s=0.3)).__aiter__()
+        assert await anext(stream) == Delta("a", 1)
+        await asyncio.sleep(0.5)  # the consumer's own await, across the deadline: it must not be cancelled
+        with pytest.raises(BackendError) as raised:
+            await anext(stream)
+        await asyncio.wait_for(server.client_closed.wait(), 5)
+    assert raised.value.error_class == worker_pb2.ERROR_CLASS_TIMEOUT
