@@ -35,22 +35,20 @@ _HELD_EVENTS = 1024
 then in Triton's: its HTTP server queues what it cannot write, so this bounds the worker's memory, not Triton's)."""
 
 
-def build_body(params: GenerationParams) -> bytes:
-    """The generate_stream request's JSON: the vLLM-backend inputs, as the gRPC path sends them as tensors."""
-    body: dict[str, Any] = {
+def _http_request(host: str, port: int, params: GenerationParams) -> bytes:
+    """The whole HTTP/1.1 request: the vLLM-backend inputs as JSON, the trace context as headers.
+
+    The same inputs as the gRPC path's tensors (``_codec.build_request``), from the same helpers.
+    """
+    fields: dict[str, Any] = {
         "id": params.request_id,
         "text_input": params.prompt,
         "stream": True,
         "sampling_parameters": json.dumps(sampling_parameters(params)),
     }
     if params.messages:
-        body["messages"] = messages_json(params)
-    return orjson.dumps(body)
-
-
-def build_request(host: str, port: int, params: GenerationParams) -> bytes:
-    """The whole HTTP/1.1 request for params, with the trace context as headers."""
-    body = build_body(params)
+        fields["messages"] = messages_json(params)
+    body = orjson.dumps(fields)
     head = [
         f"POST /v2/models/{params.model}/generate_stream HTTP/1.1",
         f"Host: {host}:{port}",
@@ -174,7 +172,7 @@ class TritonSseGeneration(Generation):
             yield Finished("cancelled", 0, 0)
             return
         params = self._params
-        exchange = self._exchange = _Exchange(build_request(self._host, self._port, params))
+        exchange = self._exchange = _Exchange(_http_request(self._host, self._port, params))
         streamed = _Streamed()
         loop = asyncio.get_running_loop()
         deadline = None if params.timeout_s is None else loop.time() + params.timeout_s
