@@ -167,7 +167,7 @@ class GatewayApp:
         prefix = self._identify(request, request_id, tenant)
         await self._answer("chat", request, MessagesAnswer(parsed.stream, request.model, prefix), scope, receive, send)
 
-    async def _resume_messages(
+    async def _resume_messages(  # wide: one request's resume coordinates (the request front carries them next)
         self,
         body: dict[str, Any],
         last_event: bytes,
@@ -229,7 +229,7 @@ class GatewayApp:
         continuous = include and _flag(query, "continuous_usage_stats")
         await self._resume(kind, request_id, after, tenant, include, continuous, receive, send, scope=scope)
 
-    async def _resume(
+    async def _resume(  # wide: one request's resume coordinates (the request front carries them next)
         self,
         kind: Kind,
         request_id: str,
@@ -249,7 +249,7 @@ class GatewayApp:
         )
         await self._replay(kind, request_id, after, answer, receive, send, model, scope)
 
-    async def _replay(
+    async def _replay(  # wide: one request's resume coordinates (the request front carries them next)
         self,
         kind: Kind,
         request_id: str,

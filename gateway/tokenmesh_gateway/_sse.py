@@ -222,7 +222,7 @@ def error_event(error: HttpError) -> bytes:
     return b"data: " + error.body() + b"\n\n" + DONE
 
 
-def completion_body(
+def completion_body(  # wide: the body's fields, keyword-only
     kind: Kind,
     request_id: str,
     created: int,

@@ -88,7 +88,7 @@ def make_ca(
     return cert, key
 
 
-def issue(
+def issue(  # wide: keyword-only certificate fields, each with a default
     folder: Path,
     role: str,
     ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],

@@ -94,7 +94,7 @@ class MeshError(Exception):
     field_violations: tuple[FieldViolation, ...]
     retry_delay: float | None
 
-    def __init__(
+    def __init__(  # wide: keyword-only details of the google.rpc status, each optional
         self,
         message: str,
         *,

@@ -116,7 +116,7 @@ class ServiceHost:
     """The plaintext health-only server (None without a health port)."""
     _names: list[str]
 
-    def __init__(
+    def __init__(  # wide: keyword-only options, each with a default
         self,
         host: str,
         port: int,

@@ -69,8 +69,8 @@ async def test_dozens_of_generations_share_one_call_every_chunk_exact(mesh: InPr
         chunks = sum(len(r) for r in results)
         assert call.reads < chunks  # a message carries the chunks of several generations
         assert sum(len(b.started) for b in mesh.backends) == 40
-        assert len(mesh.router.inference.stream_calls) == 1  # the router's side: the one call, still open
-    await wait_until(lambda: not mesh.router.inference.stream_calls)  # closed with the client
+        assert len(mesh.router.inference.streams.calls) == 1  # the router's side: the one call, still open
+    await wait_until(lambda: not mesh.router.inference.streams.calls)  # closed with the client
 
 
 async def test_a_router_cut_mid_stream_breaks_its_call_and_each_generation_resumes_elsewhere_once() -> None:
@@ -203,4 +203,4 @@ async def test_with_batched_off_every_generation_is_a_call_of_its_own(mesh: InPr
         opened = counted(client)
         for chunks in await asyncio.gather(*(generate(client, 8) for _ in range(6))):
             assert_exact(chunks, 8)
-        assert opened == [] and not mesh.router.inference.stream_calls
+        assert opened == [] and not mesh.router.inference.streams.calls

@@ -15,6 +15,8 @@ from tokenmesh.router import Router, RouterConfig
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
 from tokenmesh.worker import Worker, WorkerConfig
 
+pytestmark = pytest.mark.usefixtures("mesh_road")  # down the Link and the per-generation road alike
+
 
 async def test_worker_failing_mid_stream_is_continued_elsewhere(mesh: InProcessMesh) -> None:
     mesh.backends[0].fail_after = 4  # the first pick fails after 4 tokens

@@ -11,6 +11,8 @@ from tests.support.mesh import InProcessMesh, collect, in_process_mesh, stats, w
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, worker_pb2, worker_pb2_grpc
 from tokenmesh.worker import BackendError
 
+pytestmark = pytest.mark.usefixtures("mesh_road")  # down the Link and the per-generation road alike
+
 
 async def test_device_oom_lowers_the_limit_and_the_request_runs_elsewhere(mesh: InProcessMesh) -> None:
     mesh.backends[0].fault_once = (worker_pb2.ERROR_CLASS_OUT_OF_MEMORY, "CUDA out of memory. Tried to allocate 2 GiB")

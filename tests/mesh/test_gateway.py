@@ -327,7 +327,7 @@ async def test_a_dropped_stream_without_request_id_cancels_its_generation_at_onc
                 dropped = time.monotonic()
         await wait_until(lambda: not running(mesh), timeout=1)
         assert time.monotonic() - dropped < 1
-        await wait_until(lambda: not mesh.router.inference.live, timeout=1)
+        await wait_until(lambda: not mesh.router.inference.live.by_id, timeout=1)
         assert not gw.app.exchanges.active
 
 

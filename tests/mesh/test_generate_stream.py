@@ -6,7 +6,6 @@ Driven with the raw generated stub, so every message, credit grant and end is th
 from __future__ import annotations
 
 import asyncio
-import os
 from collections import defaultdict
 from typing import Any
 
@@ -16,7 +15,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from tests.support.dns_server import free_port_on
 from tests.support.fakes import FakeBackend
-from tests.support.mesh import LINK_ENV, InProcessMesh, assert_exact, expected_text, in_process_mesh, wait_until
+from tests.support.mesh import InProcessMesh, assert_exact, expected_text, in_process_mesh, wait_until
 from tests.support.tcp_proxy import TcpProxy
 from tokenmesh.errors import ResourceExhausted, from_status
 from tokenmesh.router import Router, RouterConfig
@@ -339,7 +338,7 @@ async def test_a_draining_router_refuses_new_streams_finishes_live_ones_then_end
         while not all(caller.chunks[s] for s in (1, 2, 3)):
             assert await caller.read()
         shutdown = asyncio.create_task(mesh.router.shutdown())
-        await wait_until(lambda: mesh.router.inference.draining)
+        await wait_until(lambda: mesh.router.inference.live.draining)
         await caller.send(generate(4, prompt="late", max_tokens=5))
         await caller.until(1, 2, 3, 4)
         assert not shutdown.done()  # the drain waits for the call's streams
@@ -387,7 +386,9 @@ async def test_a_call_that_breaks_stops_every_generation_without_an_id_of_its_ow
         assert await caller.read()
     caller.call.cancel()
     inference = mesh.router.inference
-    await wait_until(lambda: not inference.live and inference.open_streams == 0 and inference.idle.is_set())
+    await wait_until(
+        lambda: not inference.live.by_id and inference.live.open_streams == 0 and inference.live.idle.is_set()
+    )
     started = {g.params.request_id: g for b in mesh.backends for g in b.started}
     await wait_until(lambda: all(g.cancelled.is_set() for rid, g in started.items() if rid != "gs-keep"))
     assert not started["gs-keep"].cancelled.is_set()  # runs on for Resume
@@ -420,7 +421,7 @@ async def test_a_full_queue_ends_the_stream_with_the_calls_retry_info_and_error_
     assert f"retry in about {round(error.retry_delay * 1000)} ms" in error.message
 
 
-async def test_a_cut_worker_connection_fails_every_stream_on_it_over_with_contiguous_seq() -> None:
+async def test_a_cut_worker_connection_fails_every_stream_on_it_over_with_contiguous_seq(mesh_road: str) -> None:
     backends = [FakeBackend(delay=0.02), FakeBackend(delay=0.02)]
     workers = [Worker(WorkerConfig(port=0, drain_grace_s=1), backend=b) for b in backends]
     proxy: TcpProxy | None = None
@@ -430,7 +431,7 @@ async def test_a_cut_worker_connection_fails_every_stream_on_it_over_with_contig
             await w.start()
         proxy = TcpProxy("127.0.0.1", workers[0].host.port)
         await proxy.start()
-        link = os.environ.get(LINK_ENV, "off")
+        link = mesh_road
         router = Router(
             RouterConfig(port=0, workers=(proxy.address, workers[1].host.address), drain_grace_s=1, worker_link=link)
         )
@@ -438,7 +439,7 @@ async def test_a_cut_worker_connection_fails_every_stream_on_it_over_with_contig
         pool = router.pool
         await wait_until(lambda: all(e.healthy and e.models for e in pool.entries.values()))
         if link == "auto":
-            await wait_until(lambda: len(router.inference.sessions.modes) == 2)
+            await wait_until(lambda: len(router.transports.modes) == 2)
         async with grpc.aio.insecure_channel(router.host.address) as channel:
             mesh = InProcessMesh(router, workers, backends, channel)
             caller = Caller(mesh)

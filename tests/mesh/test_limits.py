@@ -51,7 +51,7 @@ async def test_a_message_over_8_mib_is_resource_exhausted(mesh: InProcessMesh) -
 
 async def test_streams_past_the_per_connection_limit_are_refused_and_the_client_retries_them() -> None:
     async with in_process_mesh(max_streams_per_connection=3, backend_settings={"delay": 0.02}) as mesh:
-        live = mesh.router.inference.live
+        live = mesh.router.inference.live.by_id
         most = 0
 
         async def watch() -> None:

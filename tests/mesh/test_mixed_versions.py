@@ -71,7 +71,7 @@ async def mixed_mesh(versions: Versions, old: tuple[bool, bool], worker_link: st
         entries = router.pool.entries
         await wait_until(lambda: all(e.healthy and e.models for e in entries.values()))
         if worker_link == "auto":
-            modes = router.inference.sessions.modes
+            modes = router.transports.modes
             await wait_until(lambda: all(a in modes for a in addresses))
         for b in backends:
             b.started.clear()
@@ -107,7 +107,7 @@ async def link_fields(mesh: InProcessMesh) -> dict[str, str]:
 async def test_a_new_router_serves_an_old_worker_per_generation_and_a_new_one_over_its_link(versions: Versions) -> None:
     async with mixed_mesh(versions, (True, False), "auto") as mesh:
         old, new = (w.host.address for w in mesh.workers)
-        assert mesh.router.inference.sessions.modes == {old: "per-generation", new: "batched"}
+        assert mesh.router.transports.modes == {old: "per-generation", new: "batched"}
         assert await link_fields(mesh) == {old: "per-generation", new: "batched"}
         await run_streams(mesh, 25)
         assert all(len(b.started) > 0 for b in mesh.backends)  # both versions served
@@ -123,7 +123,7 @@ async def test_an_old_router_serves_new_workers_with_a_generate_call_per_generat
         await run_streams(mesh, 25)
         assert all(len(b.started) > 0 for b in mesh.backends)
         assert not versions.calls  # it never calls Link
-        assert not mesh.router.inference.sessions.modes
+        assert not mesh.router.transports.modes
         assert set((await link_fields(mesh)).values()) == {"per-generation"}
 
 
@@ -148,7 +148,7 @@ async def test_an_old_worker_upgraded_in_place_is_asked_again_and_gets_the_link(
     async with mixed_mesh(versions, (True, False), "auto") as mesh:
         old = mesh.workers[0]
         address = old.host.address
-        modes = mesh.router.inference.sessions.modes
+        modes = mesh.router.transports.modes
         assert modes[address] == "per-generation"
         await run_streams(mesh, 10)
         await old.shutdown()  # the upgrade: the same address, a new version behind it
@@ -163,4 +163,4 @@ async def test_an_old_worker_upgraded_in_place_is_asked_again_and_gets_the_link(
             b.started.clear()
         await run_streams(mesh, 10)
         # The upgraded worker serves, over its link (an attempt takes the open session before any spare).
-        assert mesh.backends[0].started and mesh.router.inference.sessions.get(address) is not None
+        assert mesh.backends[0].started and mesh.router.transports.sessions.get(address) is not None

@@ -13,6 +13,8 @@ from tokenmesh.errors import OutOfRange, ResourceExhausted
 from tokenmesh.v1 import inference_pb2, worker_pb2
 from tokenmesh.worker import GenerationParams, Record, Registry
 
+pytestmark = pytest.mark.usefixtures("mesh_road")  # down the Link and the per-generation road alike
+
 
 async def read_n(call, n: int) -> list[inference_pb2.GenerateChunk]:
     return [await call.read() for _ in range(n)]
@@ -103,7 +105,7 @@ async def test_cancel_reaches_a_detached_generation(mesh: InProcessMesh) -> None
     call = mesh.inference.Generate(inference_pb2.GenerateRequest(prompt="p", max_tokens=400, request_id="c"))
     await read_n(call, 2)
     call.cancel()
-    await wait_until(lambda: "c" not in mesh.router.inference.live)
+    await wait_until(lambda: "c" not in mesh.router.inference.live.by_id)
     response = await mesh.inference.Cancel(inference_pb2.CancelRequest(request_id="c"))
     assert response.cancelled
     generation = next(g for b in mesh.backends for g in b.started)

@@ -38,7 +38,7 @@ async def test_generations_share_one_link_per_worker_with_exact_seq_and_no_call_
         assert sum(len(b.started) for b in mesh.backends) == 8
         assert all(len(b.started) > 0 for b in mesh.backends)  # spread over both workers
         assert not spares(mesh.router)  # no Worker/Generate call was opened
-        assert mesh.router.inference.sessions.modes == {w.host.address: "batched" for w in mesh.workers}
+        assert mesh.router.transports.modes == {w.host.address: "batched" for w in mesh.workers}
         assert await links(mesh) == ["batched", "batched"]
 
 
@@ -73,7 +73,7 @@ async def proxied() -> AsyncIterator[tuple[Router, list[FakeBackend], TcpProxy]]
         addresses = (proxy.address, workers[1].host.address)
         router = Router(RouterConfig(port=0, workers=addresses, drain_grace_s=1, worker_link="auto"))
         await router.start()
-        sessions = router.inference.sessions.sessions
+        sessions = router.transports.sessions
         await wait_until(lambda: all(e.healthy and e.models for e in router.pool.entries.values()))
         await wait_until(lambda: all(a in sessions for a in addresses))
         yield router, backends, proxy
@@ -149,7 +149,7 @@ async def test_a_worker_without_link_gets_a_generate_call_per_generation(monkeyp
 
     monkeypatch.setattr(WorkerServicer, "Link", old_link)  # both workers predate Link (UNIMPLEMENTED)
     async with in_process_mesh(worker_link="auto") as mesh:
-        assert mesh.router.inference.sessions.modes == {w.host.address: "per-generation" for w in mesh.workers}
+        assert mesh.router.transports.modes == {w.host.address: "per-generation" for w in mesh.workers}
         assert_exact(await collect(mesh, prompt="hello", max_tokens=12), 12)
         assert spares(mesh.router)  # the per-generation path: a Generate call opened ahead
         assert await links(mesh) == ["per-generation", "per-generation"]
@@ -158,7 +158,7 @@ async def test_a_worker_without_link_gets_a_generate_call_per_generation(monkeyp
 async def test_with_the_link_off_every_worker_gets_a_generate_call_per_generation() -> None:
     async with in_process_mesh(worker_link="off") as mesh:
         assert_exact(await collect(mesh, prompt="hello", max_tokens=5), 5)
-        assert spares(mesh.router) and not mesh.router.inference.sessions.modes
+        assert spares(mesh.router) and not mesh.router.transports.modes
         assert await links(mesh) == ["per-generation", "per-generation"]
 
 
@@ -188,7 +188,7 @@ async def test_callers_that_stop_reading_hold_back_only_their_own_generations_on
 
 async def test_streams_on_a_link_run_to_their_end_across_a_renewal_while_new_ones_take_the_new_link() -> None:
     async with in_process_mesh(worker_link="auto", backend_settings={"delay": 0.02}) as mesh:
-        sessions = mesh.router.inference.sessions.sessions
+        sessions = mesh.router.transports.sessions
         old = dict(sessions)
         calls = [
             mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"o{i}", max_tokens=60)) for i in range(24)
@@ -196,12 +196,12 @@ async def test_streams_on_a_link_run_to_their_end_across_a_renewal_while_new_one
         got = [[await call.read() for _ in range(3)] for call in calls]
         mesh.router.links.renew()  # new certificates: a new channel per worker, and a new one for its link
         await wait_until(lambda: all(a in sessions and sessions[a] is not s for a, s in old.items()))
-        assert all(s.retired and s.attempts for s in old.values())  # draining: its streams run on, no new ones
+        assert all(s.retired and s.streams for s in old.values())  # draining: its streams run on, no new ones
         fresh = [
             mesh.inference.Generate(inference_pb2.GenerateRequest(prompt=f"n{i}", max_tokens=30)) for i in range(8)
         ]
         later = [[await call.read()] for call in fresh]
-        assert sum(len(sessions[a].attempts) for a in old) == 8  # every new generation on a new link
+        assert sum(len(sessions[a].streams) for a in old) == 8  # every new generation on a new link
         for call, chunks in zip([*calls, *fresh], [*got, *later], strict=True):
             while (chunk := await call.read()) is not grpc.aio.EOF:
                 chunks.append(chunk)
@@ -212,5 +212,5 @@ async def test_streams_on_a_link_run_to_their_end_across_a_renewal_while_new_one
             assert_exact(chunks, 30)
         # Drained: each old link closed its call once its last stream ended (its own channel with it).
         await wait_until(lambda: all(s.call.done() for s in old.values()))
-        assert all(not s.attempts for s in old.values())
+        assert all(not s.streams for s in old.values())
         assert await links(mesh) == ["batched", "batched"]

@@ -8,6 +8,8 @@ import pytest
 from tests.support.mesh import InProcessMesh
 from tokenmesh.v1 import inference_pb2, router_pb2
 
+pytestmark = pytest.mark.usefixtures("mesh_road")  # down the Link and the per-generation road alike
+
 
 async def collect(mesh: InProcessMesh, **fields: object) -> list[inference_pb2.GenerateChunk]:
     return [c async for c in mesh.inference.Generate(inference_pb2.GenerateRequest(**fields), timeout=10)]

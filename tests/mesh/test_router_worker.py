@@ -12,6 +12,8 @@ from tests.support.mesh import InProcessMesh, assert_exact, collect, in_process_
 from tokenmesh.router._spares import SPARE
 from tokenmesh.v1 import inference_pb2, router_pb2
 
+pytestmark = pytest.mark.usefixtures("mesh_road")  # down the Link and the per-generation road alike
+
 
 async def test_chunks_have_contiguous_seq_and_a_final_chunk(mesh: InProcessMesh) -> None:
     chunks = await collect(mesh, prompt="hello", max_tokens=5)
@@ -93,7 +95,7 @@ async def test_live_request_id_is_refused_with_already_exists(mesh: InProcessMes
     assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
     first.cancel()
     # Once the first one is gone the id can be used again.
-    await wait_until(lambda: "dup" not in mesh.router.inference.live)
+    await wait_until(lambda: "dup" not in mesh.router.inference.live.by_id)
     chunks = await collect(mesh, prompt="c", max_tokens=1, request_id="dup")
     assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
 

@@ -94,7 +94,7 @@ async def test_one_trace_from_the_callers_traceparent_through_router_and_worker(
         ]
         # Traced, each generation opened its own worker calls: none was opened ahead of need.
         assert all(link.held(SPARE) is None for _, link in mesh.router.links.items())
-        linked = bool(mesh.router.inference.sessions.sessions)  # the attempts ran on the workers' links
+        linked = bool(mesh.router.transports.sessions)  # the attempts ran on the workers' links
     spans = receiver.spans()
     routers = generations(spans, "tokenmesh-router")
     ours = [s for s in routers if s.trace_id.hex() == TRACE_ID]
@@ -148,7 +148,7 @@ async def test_a_refused_and_an_abandoned_generation_are_recorded_as_what_they_w
             if chunk.seq == 2:
                 break
         call.cancel()
-        await mesh.router.inference.idle.wait()
+        await mesh.router.inference.live.idle.wait()
     spans = receiver.spans()
     routers = generations(spans, "tokenmesh-router")
     assert len(routers) == 1  # the refused one never became a generation: no span, a status to the caller
@@ -230,7 +230,7 @@ async def test_a_stream_the_client_cancels_is_recorded_cancelled_on_both_sides(r
                 if chunk.seq == 2:
                     break
             call.cancel()
-            await mesh.router.inference.idle.wait()
+            await mesh.router.inference.live.idle.wait()
         await asyncio.to_thread(tracing.shutdown)  # exports over gRPC to the receiver on this loop
     spans = receiver.spans()
     (client,) = rpcs(spans, "tokenmesh-caller", "tokenmesh.v1.Inference/Generate")
@@ -333,7 +333,7 @@ async def test_an_untraced_router_passes_the_callers_context_on_and_keeps_its_sp
                 )
             ]
         spares = [link.held(SPARE) for _, link in mesh.router.links.items()]
-        linked = bool(mesh.router.inference.sessions.sessions)
+        linked = bool(mesh.router.transports.sessions)
     spans = receiver.spans()
     assert not [s for svc, s in spans if svc == "tokenmesh-router"]
     # The caller's context went in the start command (on a spare call): each worker generation span is its child.

@@ -176,3 +176,12 @@ def test_nothing_in_the_repository_links_outside_it_to_the_shared_folder() -> No
             except (UnicodeDecodeError, OSError):
                 continue
     assert not found, f"links to {outside} (the design is docs/architecture.md): {', '.join(found)}"
+
+
+def test_every_file_the_readme_names_exists() -> None:
+    """A file name in the README is a path from the root, or the tail of one (a step names its folder once)."""
+    files = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if ".venv" not in p.parts and p.is_file()]
+    named = re.findall(r"`([\w./-]+\.(?:py|proto|md|yaml|toml|sh|json))`", README.read_text())
+    assert len(named) >= 30, "the README's request path names the files it passes"
+    missing = [n for n in named if not (ROOT / n).exists() and not any(f.endswith("/" + n) for f in files)]
+    assert not missing, f"README.md names files that do not exist: {missing}"

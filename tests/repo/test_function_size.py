@@ -1,4 +1,4 @@
-"""No function in services/ or gateway/ over 60 lines unless its def line says why.
+"""No function in services/ or gateway/ over 60 lines, or over 6 parameters, unless its signature says why.
 
 A function is counted from its ``def`` line to its last line (decorators
 not counted, its docstring and comments counted). One that must be longer
@@ -6,6 +6,10 @@ not counted, its docstring and comments counted). One that must be longer
 signature, from the ``def`` to the colon that opens its body::
 
     def build_parser() -> argparse.ArgumentParser:  # long: an argparse table, a flag per line
+
+A function taking more than 6 parameters (``self`` and ``cls`` not counted)
+carries ``# wide: <why>`` on its signature the same way: a state that travels
+together is one object, not loose arguments.
 
 Cyclomatic complexity (at most 12) is ruff's C901, set in pyproject.toml;
 a function exempt from it says why in its ``# noqa: C901 - <why>``.
@@ -24,6 +28,27 @@ GENERATED = ROOT / "services" / "tokenmesh" / "v1"
 MAX_LINES = 60
 MARKER = re.compile(r"#\s*long:\s*\S")
 """The why-marker: ``# long:`` followed by the reason."""
+MAX_PARAMETERS = 6
+WIDE = re.compile(r"#\s*wide:\s*\S")
+"""The why-marker of a function with more parameters: ``# wide:`` followed by the reason."""
+
+
+def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    args = function.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+    return len(names) - (names[:1] in (["self"], ["cls"])) + (args.vararg is not None) + (args.kwarg is not None)
+
+
+def wide_functions(source: str) -> list[tuple[str, int, int]]:
+    """(name, def line, parameters) of each function in source over MAX_PARAMETERS without the why-marker."""
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _parameters(node) > MAX_PARAMETERS:
+            signature = lines[node.lineno - 1 : node.body[0].lineno - 1] or [lines[node.lineno - 1]]
+            if not any(WIDE.search(line) for line in signature):
+                found.append((node.name, node.lineno, _parameters(node)))
+    return sorted(found, key=lambda item: item[1])
 
 
 def long_functions(source: str, max_lines: int = MAX_LINES) -> list[tuple[str, int, int]]:
@@ -98,3 +123,31 @@ def test_the_why_marker_on_the_signature_exempts_a_long_function_and_a_bare_mark
     in_body = _function("body", 80) + "    # long: said too late\n"
     found = [name for name, _, _ in long_functions("\n".join([marked, split_signature, bare, in_body]))]
     assert found == ["bare", "body"]
+
+
+def test_no_function_in_services_or_gateway_takes_over_6_parameters_without_saying_why() -> None:
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} {name} ({count} parameters)"
+        for path in _checked_files()
+        for name, line, count in wide_functions(path.read_text())
+    ]
+    assert not offenders, (
+        f"functions over {MAX_PARAMETERS} parameters: pass one object for what travels together, or put "
+        "'# wide: <why>' on the signature:\n" + "\n".join(offenders)
+    )
+
+
+def test_the_parameter_check_skips_self_counts_star_args_and_takes_the_marker() -> None:
+    source = "\n".join(
+        [
+            "class C:",
+            "    def six(self, a, b, c, d, e, f): pass",
+            "    def seven(self, a, b, c, d, e, f, *, g): pass",
+            "def star(a, b, c, d, e, *args, **kwargs): pass",
+            "def marked(a, b, c, d, e, f, g):  # wide: a wire format's fields",
+            "    pass",
+            "def bare(a, b, c, d, e, f, g):  # wide:",
+            "    pass",
+        ]
+    )
+    assert [(name, count) for name, _, count in wide_functions(source)] == [("seven", 7), ("star", 7), ("bare", 7)]

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +19,21 @@ from tokenmesh.worker import Worker, WorkerConfig
 
 from .fakes import FakeBackend
 
-LINK_ENV = "TOKENMESH_TEST_WORKER_LINK"
-"""auto or off: the default ``worker_link`` of the in-process meshes' routers."""
+ROADS = ("auto", "off")
+"""The router's two roads to a worker: ``Worker/Link`` (the default) and a ``Worker/Generate`` call per generation
+(the fallback of a rolling upgrade)."""
+_road: list[str] = []
+"""The road the ``mesh_road`` fixture set for the test that runs now (empty: the router's default)."""
+
+
+@pytest.fixture(params=ROADS)
+def mesh_road(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test once down each road: every in-process mesh it starts has this ``worker_link`` by default."""
+    _road.append(request.param)
+    try:
+        yield request.param
+    finally:
+        _road.clear()
 
 
 @dataclass
@@ -73,11 +85,11 @@ async def in_process_mesh(
     ``per_backend``: settings of each worker's FakeBackend on top of ``backend_settings``, by worker (one worker's
     adapters); workers past its end get none.
 
-    The router's ``worker_link`` defaults to ``$TOKENMESH_TEST_WORKER_LINK`` (else the router's default, auto), so
-    a mesh suite runs both ways; with the link on, the mesh is ready once each worker's link is open (or refused).
+    The router's ``worker_link`` defaults to the ``mesh_road`` fixture's road (else the router's default, auto); with
+    the link on, the mesh is ready once each worker's link is open (or refused).
     """
-    if os.environ.get(LINK_ENV):
-        router_settings.setdefault("worker_link", os.environ[LINK_ENV])
+    if _road:
+        router_settings.setdefault("worker_link", _road[0])
     own = [*per_backend, *[{}] * worker_count][:worker_count]
     backends = [FakeBackend(**(backend_settings or {}), **settings) for settings in own]
     started = [Worker(WorkerConfig(port=0, drain_grace_s=1, **(worker_settings or {})), backend=b) for b in backends]
@@ -94,7 +106,7 @@ async def in_process_mesh(
         pool = router.pool
         await wait_until(lambda: all(e.healthy and e.models for e in pool.entries.values()))
         if router.config.worker_link == "auto":
-            modes = router.inference.sessions.modes  # "batched" once a link is open; an old worker's "per-generation"
+            modes = router.transports.modes  # "batched" once a link is open; an old worker's "per-generation"
             await wait_until(lambda: all(w.host.address in modes for w in started))
         for b in backends:
             b.started.clear()  # forget the warm-up generations

@@ -15,8 +15,8 @@ from tokenmesh.config import ConfigError
 from tokenmesh.discovery import EMPTY_ROUNDS, Discovery, DnsResolver, LookupFailed
 from tokenmesh.prober import ProberConfig
 from tokenmesh.router import Router, RouterConfig
-from tokenmesh.router._link import LINK
 from tokenmesh.router._spares import SPARE
+from tokenmesh.router._transport import LINK
 from tokenmesh.server import ServiceHost
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
 from tokenmesh.worker import Worker, WorkerConfig
@@ -212,7 +212,7 @@ async def test_a_router_follows_the_records_and_drains_a_worker_that_left_withou
             # Its streams ended: the first worker is dropped, channel and all.
             await wait_until(lambda: first not in pool.entries, timeout=2)
             assert first not in router.links and first_link.tasks == {}
-            assert spare.cancelled() if spare is not None else first not in router.inference.sessions.sessions
+            assert spare.cancelled() if spare is not None else first not in router.transports.sessions
             await wait_until(lambda: watch.done() and (link_task is None or link_task.done()))
             assert watch.cancelled() and (link_task is None or link_task.cancelled())
             table = await operator.GetRoutingTable(router_pb2.GetRoutingTableRequest())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tokenmesh.outbox import Outbox
+from tokenmesh.mux import Outbox
 from tokenmesh.v1 import worker_pb2
 
 

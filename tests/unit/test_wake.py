@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tokenmesh.wake import Wake
+from tokenmesh.mux import Wake
 
 
 async def test_idle_waits_for_a_kick_and_a_kick_with_nobody_waiting_is_lost() -> None:

@@ -306,7 +306,7 @@ class OpenAITarget(Target):
 
     name = "openai"
 
-    def __init__(
+    def __init__(  # wide: keyword-only options, each with a default
         self,
         url: str,
         model: str = "",

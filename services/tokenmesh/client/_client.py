@@ -40,7 +40,8 @@ from typing import Any, Self
 import grpc
 from opentelemetry import trace
 
-from tokenmesh.client._stream import Sessions, Stream
+from tokenmesh.client._sessions import Sessions
+from tokenmesh.client._stream import Call, OwnCall, Stream
 from tokenmesh.config import address_error
 from tokenmesh.discovery import join, literal_ip
 from tokenmesh.errors import DeadlineExceeded, MeshError, Unavailable, from_rpc_error
@@ -52,9 +53,6 @@ from tokenmesh.tracing import Tracing, inject
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-Call = grpc.aio.UnaryStreamCall[Any, inference_pb2.GenerateChunk] | Stream
-"""What one attempt reads: a Generate or Resume call, or a logical stream of a GenerateStream call."""
 
 BROKEN_CODES = frozenset(
     {
@@ -103,7 +101,7 @@ class Client:
     _sessions: Sessions
     """Per router: the shared GenerateStream call, or that it predates it."""
 
-    def __init__(
+    def __init__(  # wide: keyword-only options, each with a default
         self,
         routers: str | Sequence[str],
         *,
@@ -319,15 +317,12 @@ class Client:
 
     def _leave(self, call: Call | None, request_id: str, *, cancel: bool) -> None:
         """Let go of the last attempt's call; with cancel, stop the generation (nobody else knows its id)."""
-        if isinstance(call, Stream):
-            if call.let_go(cancel=cancel):
-                return  # the cancel went on its GenerateStream call
-        elif call is not None:
-            call.cancel()
+        if call is not None and call.let_go(cancel=cancel):
+            return  # the cancel went on its GenerateStream call
         if cancel:
             self._cancel_later(request_id)
 
-    async def _open(
+    async def _open(  # wide: one attempt's coordinates, read by the retry loop each time round
         self,
         address: str,
         request_id: str,
@@ -350,13 +345,10 @@ class Client:
             if stream is not None:
                 return stream
         stub = self._stub(address)
-        call: grpc.aio.UnaryStreamCall[Any, inference_pb2.GenerateChunk]
         if request is None:
             follow = inference_pb2.ResumeRequest(request_id=request_id, after_seq=last)
-            call = stub.Resume(follow, timeout=remaining, metadata=tuple(metadata))
-        else:
-            call = stub.Generate(request, timeout=remaining, metadata=tuple(metadata))
-        return call
+            return OwnCall(stub.Resume(follow, timeout=remaining, metadata=tuple(metadata)))
+        return OwnCall(stub.Generate(request, timeout=remaining, metadata=tuple(metadata)))
 
     async def _start_stream(
         self,
@@ -397,7 +389,7 @@ class Client:
             return None
         return session.start(command, end)
 
-    async def _again(
+    async def _again(  # wide: what the retry loop knows of the attempt that broke, for its log line and policy
         self,
         policy: Reconnect,
         broken: grpc.aio.AioRpcError | None,

@@ -1,4 +1,4 @@
-"""Telling workers to stop a generation: the one a stream left (in the background), or whichever holds it.
+"""Stopping a generation: ``Inference/Cancel``, and telling workers to stop one (left by a stream, or held anywhere).
 
 Both go through the mesh's retry policy: a transient failure (the worker
 restarting, a connection cut) is tried again within one deadline; NOT_FOUND
@@ -8,16 +8,24 @@ from a worker that does not hold the generation is expected, not an error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
 
+from tokenmesh.errors import NotFound
 from tokenmesh.links import Links
 from tokenmesh.retry import Backoff, Reconnect, describe
+from tokenmesh.router._generation import Caller
+from tokenmesh.router._live import LiveTable
+from tokenmesh.router._transport import stop
 from tokenmesh.v1 import inference_pb2, worker_pb2_grpc
+from tokenmesh.validation import require_request_id
 
 log = logging.getLogger(__name__)
 
+CANCEL_TIMEOUT_S = 5.0
+"""Longest a Cancel that goes to the workers waits for their answers (less when the caller's deadline is nearer)."""
 ABANDON_DEADLINE_S = 60.0
 """How long a worker is asked to stop what a stream left behind. Long on purpose: a stalled (e.g. SIGSTOPped)
 worker gets the cancel when it runs again, and does not go on generating a stream that moved elsewhere."""
@@ -111,3 +119,25 @@ class WorkerCancels:
             for ask in asks:
                 if not ask.done():
                     self._keep(ask)  # it ends by the deadline
+
+
+async def cancel(request_id: str, caller: Caller, live: LiveTable, workers: WorkerCancels) -> None:
+    """Inference/Cancel: stop the generation on this router's stream, or on whichever worker holds it (NotFound)."""
+    require_request_id(request_id)
+    held = live.by_id.get(request_id)
+    if held is not None and not held.resumed:
+        held.cancel()  # one still waiting for a worker slot ends now
+        if held.call is not None:
+            with contextlib.suppress(grpc.aio.UsageError, grpc.aio.AioRpcError):
+                await stop(held.call)
+        return
+    # No stream of this router runs it (or a Resume follows it): the worker that holds it stops it.
+    remaining = caller.time_remaining()
+    # Answer before the caller's deadline passes, so it learns NOT_FOUND rather than DEADLINE_EXCEEDED.
+    timeout = CANCEL_TIMEOUT_S if remaining is None else min(CANCEL_TIMEOUT_S, 0.9 * remaining)
+    stopped, not_asked = await workers.everywhere(request_id, timeout)
+    if not stopped:
+        unknown = f"no live generation with request_id {request_id!r}"
+        if not_asked:
+            raise NotFound(f"{unknown} on the workers that answered; could not ask {', '.join(not_asked)}")
+        raise NotFound(unknown)

@@ -55,7 +55,7 @@ def _reset_s(by_slot: Mapping[int, int], slot_s: float, now: float) -> float:
     return 0.0 if newest is None else max(0.0, (newest + SLOTS + 1) * slot_s - now)
 
 
-def judge(
+def judge(  # wide: the Lua script's arguments one for one (pure, so both run the same rule)
     limits: Limits,
     need: int,
     running: int,

@@ -108,7 +108,7 @@ class Grant:
     used: int | None
     """Prompt + completion tokens of the final chunk's usage, once it passed."""
 
-    def __init__(
+    def __init__(  # wide: a grant's fields, set once when it is reserved
         self,
         quotas: Quotas | None,
         tenant: str,

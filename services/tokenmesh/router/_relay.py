@@ -9,68 +9,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from tokenmesh.retry import write
 from tokenmesh.router._cancels import WorkerCancels
 from tokenmesh.router._config import RouterConfig
-from tokenmesh.router._link import Attempt, LinkSessions
+from tokenmesh.router._generation import Caller, Progress
+from tokenmesh.router._live import Live
 from tokenmesh.router._outcome import WorkerFailed, outcome
 from tokenmesh.router._pool import WorkerEntry
-from tokenmesh.router._spares import Spares
+from tokenmesh.router._transport import WorkerStream, WorkerTransports, stop
 from tokenmesh.v1 import inference_pb2, worker_pb2
-
-WorkerCall = grpc.aio.StreamStreamCall[Any, Any] | Attempt
-"""An attempt's stream from its worker: a Worker/Generate call, or a stream on the worker's Link."""
-
-
-class Live:
-    """A generation (or a resume) this router is streaming now.
-
-    Args:
-        resumed: a Resume stream (it follows a worker's generation with Attach; a Cancel goes to the workers).
-
-    """
-
-    call: WorkerCall | None
-    """The worker call (or link stream) of the attempt in progress (None while none runs)."""
-    cancelled: asyncio.Future[None]
-    """Done once Inference/Cancel asked for it to stop (one waiting for a worker slot stops at once)."""
-    ended: asyncio.Event
-    """Set once the stream is torn down (a Resume of the same id waits for it)."""
-    resumed: bool
-
-    def __init__(self, *, resumed: bool = False) -> None:
-        self.call = None
-        self.cancelled = asyncio.get_running_loop().create_future()
-        self.ended = asyncio.Event()
-        self.resumed = resumed
-
-    def cancel(self) -> None:
-        """Inference/Cancel asks for the generation to stop."""
-        if not self.cancelled.done():
-            self.cancelled.set_result(None)
-
-
-@dataclass
-class Progress:
-    """What of a generation has reached the caller (survives failover)."""
-
-    seq: int = 0
-    """Last seq sent."""
-    text: list[str] = field(default_factory=list)
-    """Text pieces sent, in order."""
-    tokens: int = 0
-    """Tokens sent."""
-    migrations: int = 0
-    """Times the generation moved to another worker after output began."""
-    started: float = field(default_factory=time.monotonic)
-    """When the router received the request."""
-    timing: inference_pb2.Timing = field(default_factory=inference_pb2.Timing)
-    """Where the time to the first token went (sent on the final chunk)."""
 
 
 def continuation(base: inference_pb2.GenerateRequest, progress: Progress) -> inference_pb2.GenerateRequest | None:
@@ -150,7 +100,7 @@ class StallWatchdog:
     """Why the call was cancelled ('' while it was not)."""
     kind: str
     """The failure's kind once stalled: ``stall`` (the worker silent) or ``slow`` (only this generation silent)."""
-    _call: WorkerCall
+    _call: WorkerStream
     _entry: WorkerEntry
     _loop: asyncio.AbstractEventLoop
     _limit: float
@@ -163,7 +113,7 @@ class StallWatchdog:
     _due: float
     _timer: asyncio.TimerHandle
 
-    def __init__(self, call: WorkerCall, entry: WorkerEntry, first_s: float, between_s: float, slow_s: float) -> None:
+    def __init__(self, call: WorkerStream, entry: WorkerEntry, first_s: float, between_s: float, slow_s: float) -> None:
         self._call = call
         self._entry = entry
         self._loop = asyncio.get_running_loop()
@@ -244,26 +194,21 @@ class Relay:
 
     Args:
         config: the router's settings (the TTFT and stall limits).
-        spares: the Generate calls opened ahead, one per worker.
+        transports: the road to each worker.
         cancels: stops, on its worker, what an attempt leaves behind.
-        sessions: the workers' Link sessions (an attempt goes on its worker's link when one is open).
 
     """
 
     _ttft_timeout_s: float
     _stall_timeout_s: float
-    _spares: Spares
+    _transports: WorkerTransports
     _cancels: WorkerCancels
-    _sessions: LinkSessions
 
-    def __init__(
-        self, config: RouterConfig, spares: Spares, cancels: WorkerCancels, sessions: LinkSessions | None = None
-    ) -> None:
+    def __init__(self, config: RouterConfig, transports: WorkerTransports, cancels: WorkerCancels) -> None:
         self._ttft_timeout_s = config.ttft_timeout_s
         self._stall_timeout_s = config.stall_timeout_s
-        self._spares = spares
+        self._transports = transports
         self._cancels = cancels
-        self._sessions = sessions if sessions is not None else LinkSessions()
 
     async def run(
         self,
@@ -279,18 +224,16 @@ class Relay:
         reported a backend failure), so the caller's stream can continue
         elsewhere. When the caller goes away from a resumable generation (one
         with a caller-chosen request_id) the worker keeps it for Resume;
-        otherwise the worker is told to stop. With trace_context (a traced generation) the call is opened for it
-        with that context in its metadata, not taken from the spares (:mod:`tokenmesh.router._spares`).
+        otherwise the worker is told to stop. With trace_context (a traced generation) the attempt carries that
+        context (:mod:`tokenmesh.router._transport`).
         """
         forward = start.start
-        call = self._open(entry.address, start, trace_context)
+        call = self._transports.open(entry.address, start, trace_context)
         live.call = call
         watchdog = StallWatchdog(call, entry, self._ttft_timeout_s, self._stall_timeout_s, self._ttft_timeout_s)
         received = finished = detach = False
         try:
-            await self._start(
-                call, entry.address, live, start, open_spare=not trace_context and not isinstance(call, Attempt)
-            )
+            await _start(call, start, live)
             while True:
                 watchdog.reading()
                 event: Any = await call.read()  # a WorkerEvent, or EOF from a Generate call
@@ -322,68 +265,23 @@ class Relay:
         finally:
             watchdog.stop()
             live.call = None
-            self._let_go(call, entry.address, start, stop_worker=not finished and not detach)
-
-    def _let_go(self, call: WorkerCall, address: str, start: worker_pb2.WorkerCommand, *, stop_worker: bool) -> None:
-        """The attempt is over here: close its call; with stop_worker, stop what the worker would run for no one.
-
-        On a link, closing detaches the stream, which stops a generation that is not resumable (as the link's end
-        does): only a resumable one is cancelled by request_id.
-        """
-        call.cancel()
-        if stop_worker and (start.resumable or not isinstance(call, Attempt)):
-            self._cancels.abandon(address, start.start.request_id)
-
-    def _open(self, address: str, start: worker_pb2.WorkerCommand, trace_context: dict[str, str] | None) -> WorkerCall:
-        """The attempt's stream: on the worker's Link when one is open, else a Generate call (a spare, untraced).
-
-        A link carries no per-generation metadata: a traced attempt's context goes in its start command.
-        """
-        session = self._sessions.get(address)
-        if session is None:
-            call: WorkerCall = self._spares.take(address, trace_context)
-            return call
-        attempt = session.attempt()
-        if trace_context:  # traced: the attempt's own span is the worker's parent, as a Generate call's RPC span
-            tracer = self._sessions.tracer
-            start.trace_context.update(
-                trace_context if tracer is None else attempt.trace(tracer, trace_context, address)
-            )
-        return attempt
-
-    async def _start(
-        self,
-        call: WorkerCall,
-        address: str,
-        live: Live,
-        start: worker_pb2.WorkerCommand,
-        *,
-        open_spare: bool,
-    ) -> None:
-        """Send the start command; open the next spare while this one waits for its first token."""
-        if isinstance(call, Attempt):
-            await call.write(start)  # on the link: no call to open, no spare to keep
-        else:
-            await write(call, start)  # a spare the worker ended meanwhile: its status, failed over
-            if open_spare:  # a traced generation opened a call of its own and leaves the spares as they are
-                self._spares.open(address)
-        if live.cancelled.done():  # Cancel came while the start was on its way
-            await stop(call)
+            call.cancel()
+            # Stop what the worker would run for no one, where letting go does not (see WorkerStream).
+            if not finished and not detach and (start.resumable or not call.stops_on_close):
+                self._cancels.abandon(entry.address, forward.request_id)
 
 
-async def stop(call: WorkerCall) -> None:
-    """Tell the worker to stop the attempt's generation (a cancel command on its call or link stream)."""
-    command = worker_pb2.WorkerCommand(cancel=worker_pb2.CancelGeneration(reason="Cancel"))
-    if isinstance(call, Attempt):
-        await call.write(command)
-    else:
-        await write(call, command)
+async def _start(call: WorkerStream, start: worker_pb2.WorkerCommand, live: Live) -> None:
+    """Send the start; a spare the worker ended meanwhile raises its status (failed over)."""
+    await call.write(start)
+    if live.cancelled.done():  # Cancel came while the start was on its way
+        await stop(call)
 
 
 def start_command(
     forward: inference_pb2.GenerateRequest,
     progress: Progress,
-    context: grpc.aio.ServicerContext[Any, Any],
+    context: Caller,
     *,
     resumable: bool,
     trace_context: dict[str, str] | None = None,

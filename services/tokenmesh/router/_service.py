@@ -27,12 +27,12 @@ from tokenmesh.retry import Reconnect, StreamEnded, failure_name
 from tokenmesh.router._admission import Admission
 from tokenmesh.router._config import RouterConfig
 from tokenmesh.router._inference import InferenceServicer
-from tokenmesh.router._link import LINK
 from tokenmesh.router._metrics import RouterMetrics
 from tokenmesh.router._peers import FORWARDED, Peers
 from tokenmesh.router._pool import WorkerEntry, WorkerPool
 from tokenmesh.router._quotas import Quotas
 from tokenmesh.router._tables import check_table
+from tokenmesh.router._transport import WorkerTransports
 from tokenmesh.server import LINK_CHANNEL_OPTIONS, WORKER_CHANNEL_OPTIONS, ServiceHost, write_ready_file
 from tokenmesh.tls import Tls
 from tokenmesh.tracing import Tracing, rpc_spans_for
@@ -159,6 +159,8 @@ class Router(Service):
     _own_peers_dir: tempfile.TemporaryDirectory[str] | None
     links: Links
     """Per worker: its channel, stubs, health watch and spare Generate call."""
+    transports: WorkerTransports
+    """The road to each worker (its Link, or per-generation calls): built, told of loss and closed here."""
     _new_workers: asyncio.Queue[str]
     discovery: Discovery | None
     """The worker names' lookups (--discovery dns)."""
@@ -209,11 +211,11 @@ class Router(Service):
         self.tls.denied = lambda group: self.metrics.denied.labels(group).inc()
         self.metrics.watch(self.pool, self.admission, self._link_mode)
         self.quotas = self._quotas(config)
-        self.inference = InferenceServicer(config, self.pool, self.links, self.admission, self.metrics, self.quotas)
+        self.transports = self._transports(config)
+        self.inference = InferenceServicer(
+            config, self.pool, self.transports, self.admission, self.metrics, self.quotas
+        )
         self.inference.tracer = self.tracing.tracer
-        self.inference.sessions.counters = self.metrics.link_counters
-        if self.tracing.on and rpc_spans_for(worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name):
-            self.inference.sessions.tracer = self.tracing.tracer  # a span per link stream, as per Generate call
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, host.server)
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterServicer(self.pool, self.admission, self._link_mode), host.server
@@ -228,6 +230,16 @@ class Router(Service):
             resolver = DnsResolver(config.discovery_dns_server)
             self.discovery = Discovery(config.workers, resolver, self._found, self._let_go, what="worker")
 
+    def _transports(self, config: RouterConfig) -> WorkerTransports:
+        """The road to each worker, with the link's counters and, when the Worker RPCs are traced, its spans."""
+        worker_spans = self.tracing.on and rpc_spans_for(worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name)
+        return WorkerTransports(
+            self.links,
+            batched=config.worker_link == "auto",
+            tracer=self.tracing.tracer if worker_spans else None,  # a span per link stream, as per Generate call
+            counters=self.metrics.link_counters,
+        )
+
     def _quotas(self, config: RouterConfig) -> Quotas:
         """The tenants' quotas, their refusals and Redis's state in the metrics."""
         quotas = Quotas(config.quota_file, config.quota_window_s, config.quota_redis_url, processes=config.processes)
@@ -238,17 +250,14 @@ class Router(Service):
 
     def _link_mode(self, address: str) -> str:
         """How generations reach the worker (RoutingEntry.link)."""
-        if self.config.worker_link == "off":
-            return "per-generation"
-        return self.inference.sessions.modes.get(address, "")
+        return self.transports.mode(address)
 
     def _watch(self, address: str, found_by: str = "static") -> None:
         self.pool.add(address, found_by)  # one discovery had let go is taken back
         if address not in self.links:
             link = self.links.open(address)
             link.run("health watch", self._watch_worker)
-            if self.config.worker_link == "auto":
-                link.run(LINK, self.inference.sessions.run, options=LINK_CHANNEL_OPTIONS)
+            self.transports.watch(link, LINK_CHANNEL_OPTIONS)
 
     def _found(self, address: str, name: str) -> None:
         self._watch(address, f"dns {name}")
@@ -290,7 +299,7 @@ class Router(Service):
                 raise StreamEnded("health stream ended")
             except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
                 self.pool.set_health(entry, False, f"unreachable: {failure_name(exc)}")
-                self.inference.sessions.lost(link.address)  # restarted, perhaps upgraded: Link is asked again
+                self.transports.lost(link.address)  # restarted, perhaps upgraded: Link is asked again
                 raise
             finally:
                 refresh.cancel()
@@ -382,7 +391,7 @@ class Router(Service):
             await self.peers.close()
         self.inference.drain()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.inference.idle.wait(), self.drain_grace_s)
+            await asyncio.wait_for(self.inference.live.idle.wait(), self.drain_grace_s)
 
     async def _close(self) -> None:
         if self.metrics_endpoint is not None:

@@ -1,22 +1,16 @@
 """The router's side of ``Inference/GenerateStream``: many generations on one caller's call, one message per send.
 
-The worker's side of ``Worker/Link`` again (:mod:`tokenmesh.worker._link`),
-facing the mesh's own callers: one task reads the caller's commands (starts,
-cancels, detaches, credit); the handler's send loop writes. Each logical
-stream is one task running the servicer's own ``Generate`` or ``Resume`` with
-a :class:`StreamContext` (the command's deadline and metadata), so admission,
-failover, continuation, observation and cancels are theirs, not a copy. A
-task hands each chunk to its stream's pending list and marks the stream
-ready; the loop takes everything ready *now* into one ``StreamEvents`` and
-writes it. While that write is in flight, what the streams produce piles up:
-a lone chunk leaves at once, a busy call carries one message per send, not
-one per token per generation.
+The server end of :mod:`tokenmesh.mux`, facing the mesh's own callers. Each
+logical stream is one task running the servicer's own generate or resume
+with a :class:`StreamContext` (the command's deadline and metadata), so
+admission, failover, continuation, observation and cancels are theirs, not a
+copy. A task hands each chunk to its stream's pending list and marks the
+stream ready; the send loop takes everything ready *now* into one
+``StreamEvents``.
 
-Backpressure is per stream: a chunk costs its UTF-8 bytes plus 16 of the
-stream's credit, which the caller returns as it reads. A stream without
-credit stops pulling its generation, so the router stops reading that
-generation's worker attempt and the worker's record merges for it; no other
-stream waits.
+Backpressure is per stream: a stream without credit stops pulling its
+generation, so the router stops reading that generation's worker attempt and
+the worker's record merges for it; no other stream waits.
 """
 
 from __future__ import annotations
@@ -33,25 +27,15 @@ from typing import Any
 import grpc
 from opentelemetry import context as otel_context
 
-from tokenmesh.errors import (
-    DeadlineExceeded,
-    Internal,
-    InvalidArgument,
-    MeshError,
-    ResourceExhausted,
-    Unavailable,
-)
-from tokenmesh.router._relay import Live
+from tokenmesh.errors import DeadlineExceeded, Internal, InvalidArgument, MeshError, Unavailable
+from tokenmesh.mux import DEFAULT_MAX_BATCH_BYTES, MAX_STREAMS, PROTOCOL, Batch, Served, ServerSession, cost, fits
+from tokenmesh.router._live import Live
 from tokenmesh.v1 import inference_pb2
-from tokenmesh.wake import Wake
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = 1
-"""The GenerateStream protocol this router speaks (StreamSettings.protocol)."""
 
-
-def settings(max_streams: int) -> inference_pb2.StreamSettings:
+def settings(max_streams: int = MAX_STREAMS) -> inference_pb2.StreamSettings:
     """What the router announces on every GenerateStream call.
 
     max_streams is --max-streams-per-connection's bound: one caller connection holds no more generations on one
@@ -59,27 +43,12 @@ def settings(max_streams: int) -> inference_pb2.StreamSettings:
     """
     return inference_pb2.StreamSettings(
         protocol=PROTOCOL,
-        default_window_bytes=DEFAULTS.default_window_bytes,
-        max_batch_bytes=DEFAULTS.max_batch_bytes,
+        # What an HTTP/2 stream's default window lets a Generate caller have in flight (64 KiB): as much ahead of the
+        # caller as before, per stream.
+        default_window_bytes=64 * 1024,
+        max_batch_bytes=DEFAULT_MAX_BATCH_BYTES,
         max_streams=max_streams,
     )
-
-
-DEFAULTS = inference_pb2.StreamSettings(
-    protocol=PROTOCOL,
-    # What an HTTP/2 stream's default window lets a Generate caller have in flight (64 KiB): as much ahead of the
-    # caller as before, per stream.
-    default_window_bytes=64 * 1024,
-    # A big message delays every stream behind it on the one HTTP/2 stream by its transfer time.
-    max_batch_bytes=256 * 1024,
-    max_streams=10_000,
-)
-
-CHUNK_OVERHEAD = 16
-"""Credit a chunk costs beyond its text's bytes, so that empty chunks cost something too."""
-
-UNLIMITED = 2**62
-"""The credit of every stream once the caller half-closed (it can return none any more)."""
 
 
 class StreamContext:
@@ -131,22 +100,31 @@ class StreamContext:
 
 
 Source = Callable[[inference_pb2.StreamCommand, StreamContext], AsyncIterator[inference_pb2.GenerateChunk]]
-"""Runs a start command's generate or resume (the servicer's Generate or Resume) with the stream's context."""
-Cancel = Callable[[StreamContext], Any]
-"""A cancel command: Inference/Cancel for the stream's generation (a coroutine)."""
+"""Runs a start command's generate or resume (the servicer's own) with the stream's context."""
+
+
+@dataclass(frozen=True)
+class Streams:
+    """What a GenerateStream call's streams do in the router, given by the servicer."""
+
+    source: Source
+    """Runs a stream's generate or resume."""
+    cancel: Callable[[StreamContext], Any]
+    """A cancel command: Inference/Cancel for the stream's generation (a coroutine)."""
+    opened: Callable[[int], None]
+    """Told +1 when a stream opens and -1 when it is over on the call (the router's drain waits for 0)."""
+    draining: Callable[[], bool]
+    """Whether the router drains (the call ends once its streams have)."""
+    sent: Callable[[int], None] = lambda _: None
+    """Told the number of chunks of each message taken to be sent (the router's metrics)."""
 
 
 @dataclass(eq=False)
-class Logical:
-    """One logical stream of a GenerateStream call: its task, its credit, and what waits to be sent."""
+class Logical(Served):
+    """One logical stream of a GenerateStream call: its task, and what waits to be sent."""
 
-    stream: int
-    context: StreamContext
-    window: int
-    """The credit it started with. A chunk larger than the credit left may go while that is at least 3/4 of the
-    window: the caller keeps back less than a quarter of it unreturned, so a large chunk cannot wait for ever."""
-    credit: int
-    timeout_s: float
+    context: StreamContext = field(kw_only=True)
+    timeout_s: float = field(kw_only=True)
     pending: list[inference_pb2.GenerateChunk] = field(default_factory=list)
     """Chunks handed over (credit charged), not yet taken into a message."""
     end: inference_pb2.StreamEnd | None = None
@@ -158,222 +136,109 @@ class Logical:
     """Its own deadline passed (its task was cancelled for it)."""
 
 
-def _urgent(logical: Logical) -> bool:
-    """What a linger must not hold: a generation's first chunk, its final chunk, or its end."""
-    pending = logical.pending
-    return logical.end is not None or bool(pending and (pending[0].seq == 1 or pending[-1].finish_reason))
+@dataclass
+class Chunks(Batch):
+    """One StreamEvents being filled."""
+
+    chunks: list[inference_pb2.GenerateChunk] = field(default_factory=list)
 
 
-class StreamSession:
-    """One ``Inference/GenerateStream`` call: its streams by id, the ready set, and the send loop.
+class StreamSession(ServerSession[Logical]):
+    """One ``Inference/GenerateStream`` call: a task per stream running the servicer's generate or resume.
 
     Args:
         call: the call's context.
-        source: runs a stream's generate or resume as Generate and Resume do.
-        cancel: what a cancel command does.
-        opened: told +1 when a stream opens and -1 when it is over on the call (the router's drain waits for 0).
-        draining: whether the router drains (the call ends once its streams have).
-        sent: told the number of chunks of each message taken to be sent (the router's metrics).
+        streams: what its streams do in the router.
         announced: the call's settings (sent first).
         linger_s: how long a send may wait for more of its streams to have a chunk, while the call is busy (see
-            ``_should_linger``; 0: never).
+            :meth:`busy`; 0: never).
 
     """
 
-    streams: dict[int, Logical]
-    ready: dict[int, Logical]
-    """Streams with something to take, in the order they became ready (a dict as an ordered set)."""
-    ends: list[inference_pb2.StreamEnd]
-    """Ends of streams that never started (refused ids), for the next message."""
-    last_stream: int
-    """The highest stream id started: ids increase and are never reused on a call."""
-    closing: bool
-    """The caller half-closed: the call ends once every stream has."""
+    START = frozenset({"generate", "resume"})
     tasks: set[asyncio.Task[None]]
     """Every stream's task and every cancel still running (cancelled when the call ends)."""
     _call: grpc.aio.ServicerContext[Any, Any]
-    _source: Source
-    _cancel: Cancel
-    _opened: Callable[[int], None]
-    _draining: Callable[[], bool]
-    _sent: Callable[[int], None]
-    _wake: Wake
-    """The send loop's wait; while it lingers, a stream that becomes ready wakes it only once every stream is."""
-    linger_s: float
+    _hooks: Streams
     _last_send: float
     """time.monotonic() of the latest message taken."""
 
     def __init__(
         self,
         call: grpc.aio.ServicerContext[Any, Any],
-        source: Source,
-        cancel: Cancel,
-        opened: Callable[[int], None],
-        draining: Callable[[], bool],
-        sent: Callable[[int], None] = lambda _: None,
-        announced: inference_pb2.StreamSettings = DEFAULTS,
+        streams: Streams,
+        announced: inference_pb2.StreamSettings | None = None,
         linger_s: float = 0.0,
     ) -> None:
-        self.settings = announced
-        self.linger_s = linger_s
-        self._last_send = 0.0
+        super().__init__(
+            announced or settings(), inference_pb2.StreamEvents, inference_pb2.StreamEnd, linger_s=linger_s
+        )
         self._call = call
-        self._source = source
-        self._cancel = cancel
-        self._opened = opened
-        self._draining = draining
-        self._sent = sent
-        self.streams = {}
-        self.ready = {}
-        self.ends = []
-        self.last_stream = 0
-        self.closing = False
+        self._hooks = streams
+        self._last_send = 0.0
         self.tasks = set()
-        self._wake = Wake()
 
-    async def run(
-        self, commands: AsyncIterator[inference_pb2.StreamCommands]
-    ) -> AsyncIterator[inference_pb2.StreamEvents]:
-        """The settings, then one message per send until the caller half-closes and every stream ended.
+    async def run(self, commands: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """The server end's loop; when the call ends, every stream's task is cancelled (as a broken Generate call).
 
-        When the call ends otherwise (the caller cancelled it or went away), every stream's task is cancelled, as
-        if each Generate call had broken: a generation with a caller-given request_id runs on for Resume.
+        A generation with a caller-given request_id runs on for Resume.
         """
-        reader = asyncio.create_task(self._read(commands))
-        reader.add_done_callback(lambda _: self.kick())
         try:
-            yield inference_pb2.StreamEvents(settings=self.settings)
-            while True:
-                if reader.done():
-                    reader.result()  # a message that did not parse ends the call with its status
-                if self._should_linger():
-                    await self._wake.linger(self.linger_s)
-                message = self._take()
-                if message is not None:
-                    self._last_send = time.monotonic()
-                    yield message  # the one await: meanwhile the streams' chunks pile up for the next message
-                    continue
-                if not self.streams and not self.ends:
-                    if reader.done():
-                        return
-                    if self._draining():
-                        raise Unavailable(
-                            "this router is draining (shutting down) and this call's streams have ended; "
-                            "open the call on another router",
-                            reason="ROUTER_DRAINING",
-                        )
-                await self._wake.idle()
+            async for message in super().run(commands):
+                yield message
         finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # raised above already, where it mattered
-                await reader
-            for logical in list(self.streams.values()):
-                self._drop(logical)
             for task in self.tasks:
                 task.cancel()
 
-    def _should_linger(self) -> bool:
-        """Whether this send should wait a little for more streams' chunks (batches of one cost a message each).
+    def busy(self) -> bool:
+        """Linger only while the previous message left less than the linger ago.
 
-        Only while the call is busy (its previous message left less than the linger ago: at a message rate where
-        a send per chunk is what costs), when 2 or more streams are open and fewer are ready, and nothing urgent
-        waits: a generation's first chunk (its TTFT), a final chunk or an end go at once, as does everything on a
-        quiet call or with a lone stream.
+        That is, at a message rate where a send per chunk is what costs; a quiet call sends at once.
         """
-        return (
-            self.linger_s > 0
-            and bool(self.ready)
-            and 2 <= len(self.streams) > len(self.ready)
-            and not self.ends
-            and time.monotonic() - self._last_send < self.linger_s
-            and not any(_urgent(logical) for logical in self.ready.values())
-        )
+        return time.monotonic() - self._last_send < self.linger_s
 
-    def kick(self) -> None:
-        """Wake the send loop if it is idle (something to take, the commands ended, or the router drains)."""
-        self._wake.kick()
-
-    def _mark(self, logical: Logical) -> None:
-        self.ready[logical.stream] = logical
-        if not self._wake.lingering or len(self.ready) >= len(self.streams) or _urgent(logical):
-            self.kick()
-
-    # -- commands -------------------------------------------------------------------------------------------------
-
-    async def _read(self, commands: AsyncIterator[inference_pb2.StreamCommands]) -> None:
-        async for message in commands:
-            for command in message.commands:
-                self._apply(command)
-            for stream, credit in zip(message.credit_stream, message.credit_bytes, strict=False):
-                logical = self.streams.get(stream)
-                if logical is not None:  # unknown: a grant racing the stream's end
-                    logical.credit += credit
-                    self._grant(logical)
-        self._close()
-
-    def _close(self) -> None:
-        """The caller half-closed: it can return no more credit, so none limits the streams' rest any longer."""
-        self.closing = True
-        for logical in self.streams.values():
-            logical.window = logical.credit = UNLIMITED
-            self._grant(logical)
+    def idle(self) -> None:
+        """No stream is open: a draining router ends the call."""
+        if self._hooks.draining():
+            raise Unavailable(
+                "this router is draining (shutting down) and this call's streams have ended; "
+                "open the call on another router",
+                reason="ROUTER_DRAINING",
+            )
 
     @staticmethod
-    def _grant(logical: Logical) -> None:
-        if logical.granted is not None and not logical.granted.done():
-            logical.granted.set_result(None)
+    def urgent(served: Logical) -> bool:
+        """A generation's first chunk, its final chunk, or its end."""
+        pending = served.pending
+        return served.end is not None or bool(pending and (pending[0].seq == 1 or pending[-1].finish_reason))
 
-    def _apply(self, command: inference_pb2.StreamCommand) -> None:
-        kind = command.WhichOneof("command")
-        if kind in ("generate", "resume"):
-            self._start(command)
-            return
-        logical = self.streams.get(command.stream)
-        if logical is None:
-            return  # a cancel or detach racing the stream's end (or a command kind of a later protocol)
-        if kind == "cancel":
-            if logical.task is not None and not logical.task.done():  # else its end is on its way already
-                self._spawn(self._cancel(logical.context))  # it ends with a final chunk, CANCELLED
-        elif kind == "detach":
-            self._drop(logical)  # nothing more is sent for it
+    @staticmethod
+    def granted(served: Logical) -> None:
+        """Wake the stream's task if it waits for credit."""
+        if served.granted is not None and not served.granted.done():
+            served.granted.set_result(None)
 
-    def _start(self, command: inference_pb2.StreamCommand) -> None:
-        stream = command.stream
-        try:
-            if stream <= self.last_stream:
-                live = self.streams.get(stream)
-                if live is not None:
-                    self._drop(live)
-                raise InvalidArgument(
-                    f"commands.stream {stream} is not above {self.last_stream}: "
-                    "stream ids are > 0 and increase on a call (never reused)",
-                    field="commands.stream",
-                )
-            self.last_stream = stream
-            timeout_s = command.timeout_s
-            if not math.isfinite(timeout_s) or timeout_s < 0:
-                raise InvalidArgument(
-                    f"commands.timeout_s must be a number of seconds >= 0 (0: none), got {timeout_s:g}",
-                    field="commands.timeout_s",
-                )
-            if len(self.streams) >= self.settings.max_streams:
-                raise ResourceExhausted(
-                    f"this call carries {self.settings.max_streams} streams already; wait for one to end, or open "
-                    "another call",
-                    reason="STREAMS_EXHAUSTED",
-                )
-        except MeshError as error:
-            self.ends.append(inference_pb2.StreamEnd(stream=stream, status=error.status()))
-            self.kick()
-            return
+    def cancel(self, served: Logical) -> None:
+        """Inference/Cancel of the stream's generation (it ends with a final chunk, CANCELLED)."""
+        if served.task is not None and not served.task.done():  # else its end is on its way already
+            self._spawn(self._hooks.cancel(served.context))
+
+    def start(self, command: inference_pb2.StreamCommand) -> Logical:
+        """The stream's task, running its generate or resume within its own deadline."""
+        timeout_s = command.timeout_s
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            raise InvalidArgument(
+                f"commands.timeout_s must be a number of seconds >= 0 (0: none), got {timeout_s:g}",
+                field="commands.timeout_s",
+            )
         window = command.window_bytes or self.settings.default_window_bytes
         context = StreamContext(self._call, dict(command.metadata), timeout_s)
         if command.HasField("resume"):
             context.request_id = command.resume.request_id
-        logical = Logical(stream, context, window, window, timeout_s)
-        self.streams[stream] = logical
-        self._opened(1)
+        logical = Logical(command.stream, window, window, context=context, timeout_s=timeout_s)
+        self._hooks.opened(1)
         logical.task = self._spawn(self._pump(logical, command))
+        return logical
 
     def _spawn(self, work: Any) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.create_task(work)
@@ -381,14 +246,11 @@ class StreamSession:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def _drop(self, logical: Logical) -> None:
-        """The stream is over on this call (ended, detached, or the call is): its task is cancelled if it runs."""
-        if self.streams.pop(logical.stream, None) is None:
-            return
-        self.ready.pop(logical.stream, None)
-        if logical.task is not None:
-            logical.task.cancel()  # as a Generate call that broke (a no-op once the task is done)
-        self._opened(-1)
+    def released(self, served: Logical) -> None:
+        """Its task is cancelled if it runs (as a Generate call that broke)."""
+        if served.task is not None:
+            served.task.cancel()
+        self._hooks.opened(-1)
 
     # -- one stream's task ------------------------------------------------------------------------------------------
 
@@ -401,7 +263,7 @@ class StreamSession:
         if logical.timeout_s:
             timer = asyncio.get_running_loop().call_later(logical.timeout_s, self._expire, logical)
         try:
-            await self._follow(logical, self._source(command, logical.context))
+            await self._follow(logical, self._hooks.source(command, logical.context))
         except MeshError as error:
             self._end(logical, error)
         except asyncio.CancelledError:
@@ -423,13 +285,13 @@ class StreamSession:
                 if piece.finish_reason:
                     final = True  # costs nothing; the generation returns right after it
                 else:
-                    cost = len(piece.text.encode()) + CHUNK_OVERHEAD
-                    while cost > logical.credit and logical.credit < logical.window - logical.window // 4:
+                    size = cost(piece.text)
+                    while not fits(size, logical.credit, logical.window):
                         await self._credit(logical)
-                    logical.credit -= cost
+                    logical.credit -= size
                 if logical.stream in self.streams:
                     logical.pending.append(piece)
-                    self._mark(logical)
+                    self.mark(logical)
         if not final:
             raise Internal("the generation ended without a final chunk")
 
@@ -448,45 +310,84 @@ class StreamSession:
 
     def _end(self, logical: Logical, error: MeshError) -> None:
         if logical.stream in self.streams:
-            logical.end = inference_pb2.StreamEnd(stream=logical.stream, status=error.status())
-            self._mark(logical)
+            logical.end = self.end_of(logical, error)
+            self.mark(logical)
 
     # -- the send loop's take ---------------------------------------------------------------------------------------
 
-    def _take(self) -> inference_pb2.StreamEvents | None:
-        """Everything ready now, within the message's budget, as one message."""
-        if not self.ready and not self.ends:
+    def batch(self, budget: int, ends: list[inference_pb2.StreamEnd]) -> Chunks:
+        """An empty StreamEvents being filled."""
+        return Chunks(budget, ends)
+
+    def take_stream(self, served: Logical, batch: Chunks) -> bool:
+        """Its pending chunks within the budget; then its final chunk or its end lets go of it."""
+        pending = served.pending
+        taken = 0
+        for piece in pending:
+            size = piece.ByteSize()
+            if batch.full(size):
+                break
+            batch.budget -= size
+            batch.streams.append(served.stream)
+            batch.chunks.append(piece)
+            taken += 1
+        if taken < len(pending):
+            del pending[:taken]
+            return True
+        final = taken > 0 and pending[-1].finish_reason
+        pending.clear()
+        if final:
+            self.drop(served)  # its final chunk: nothing follows
+        elif served.end is not None:
+            batch.ends.append(served.end)
+            self.drop(served)
+        return False
+
+    def message(self, batch: Chunks) -> inference_pb2.StreamEvents | None:
+        """The message, or None when nothing was taken."""
+        if not batch.chunks and not batch.ends:
             return None
-        budget = self.settings.max_batch_bytes
-        streams: list[int] = []
-        chunks: list[inference_pb2.GenerateChunk] = []
-        ends, self.ends = self.ends, []
-        ready, self.ready = self.ready, {}
-        for logical in ready.values():
-            pending = logical.pending
-            taken = 0
-            for piece in pending:
-                size = piece.ByteSize()
-                if size > budget and (chunks or ends):
-                    break
-                budget -= size
-                streams.append(logical.stream)
-                chunks.append(piece)
-                taken += 1
-            if taken < len(pending):
-                del pending[:taken]
-                self.ready[logical.stream] = logical  # the budget ran out: first in the next message
-                continue
-            final = taken > 0 and pending[-1].finish_reason
-            pending.clear()
-            if final:
-                self._drop(logical)  # its final chunk: nothing follows
-            elif logical.end is not None:
-                ends.append(logical.end)
-                self._drop(logical)
-        if not chunks and not ends:
-            return None
-        events = inference_pb2.StreamEvents(chunks=chunks, ends=ends)
-        events.chunk_stream.extend(streams)
-        self._sent(len(chunks))
+        events = inference_pb2.StreamEvents(chunks=batch.chunks, ends=batch.ends)
+        events.chunk_stream.extend(batch.streams)
+        self._hooks.sent(len(batch.chunks))
+        self._last_send = time.monotonic()
         return events
+
+
+class StreamCalls:
+    """The router's GenerateStream calls now open, each a :class:`StreamSession` over the same :class:`Streams`.
+
+    Args:
+        streams: what their streams do in the router.
+        announced: what each call announces.
+        linger_s: how long a send may wait for more streams to have a chunk (``--stream-linger-us``).
+
+    """
+
+    calls: set[StreamSession]
+    _streams: Streams
+    _announced: inference_pb2.StreamSettings
+    _linger_s: float
+
+    def __init__(self, streams: Streams, announced: inference_pb2.StreamSettings, linger_s: float) -> None:
+        self.calls = set()
+        self._streams = streams
+        self._announced = announced
+        self._linger_s = linger_s
+
+    async def serve(
+        self, commands: AsyncIterator[inference_pb2.StreamCommands], call: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[inference_pb2.StreamEvents]:
+        """One call's messages, from its settings to its end."""
+        session = StreamSession(call, self._streams, self._announced, self._linger_s)
+        self.calls.add(session)
+        try:
+            async for message in session.run(commands):
+                yield message
+        finally:
+            self.calls.discard(session)
+
+    def drain(self) -> None:
+        """The router drains: each call ends once its streams have (its send loop looks now)."""
+        for session in self.calls:
+            session.kick()

@@ -134,7 +134,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     _devices: DeviceReader | None
     _cuda_visible_devices: str
 
-    def __init__(
+    def __init__(  # wide: keyword-only settings, each with a default
         self,
         backend: Backend,
         devices: DeviceReader | None,

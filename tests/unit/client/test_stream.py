@@ -9,7 +9,8 @@ from typing import Any
 import grpc
 import pytest
 
-from tokenmesh.client._stream import Sessions, StreamSession
+from tokenmesh.client._sessions import Sessions
+from tokenmesh.client._stream import StreamSession
 from tokenmesh.errors import NotFound, from_rpc_error
 from tokenmesh.v1 import inference_pb2
 
@@ -160,7 +161,7 @@ async def test_a_broken_call_breaks_every_stream_on_it_as_a_broken_generate_woul
     streams = [start(link, f"s{i}") for i in range(30)]
     link.deliver(events(*((s.stream, 1, "x") for s in streams)))
     call.answers.put_nowait(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, details="reset"))
-    await link.serve()
+    await link.serve_task()
     assert call.cancelled and not link.open and not link.streams
     errors = []
     for stream in streams:
@@ -177,14 +178,14 @@ async def test_a_call_ending_with_a_code_that_is_not_a_break_still_breaks_its_st
     link, call = session()
     stream = start(link)
     call.answers.put_nowait(grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, None, None, details="big"))
-    await link.serve()
+    await link.serve_task()
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await stream.__anext__()
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and "RESOURCE_EXHAUSTED" in raised.value.details()
     ended, ended_call = session()
     waiting = start(ended)
     ended_call.answers.put_nowait(grpc.aio.EOF)  # the router ended the call with a stream on it
-    await ended.serve()
+    await ended.serve_task()
     with pytest.raises(grpc.aio.AioRpcError, match="ended the GenerateStream call"):
         await waiting.__anext__()
 
@@ -291,7 +292,9 @@ async def test_a_start_beyond_max_streams_waits_for_a_stream_to_end() -> None:
     await asyncio.sleep(0)
     assert [w.done() for w in waiting] == [True, True, False]
     start(link, "d")
-    link.fail(grpc.StatusCode.UNAVAILABLE, "reset")  # the call ended: every waiter goes (to a call of its own)
+    link.fail(
+        grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "reset")
+    )  # the call ended: every waiter goes (to a call of its own)
     await asyncio.gather(*waiting)
     assert not link.open
 
@@ -299,7 +302,7 @@ async def test_a_start_beyond_max_streams_waits_for_a_stream_to_end() -> None:
 async def test_closing_writes_a_queued_cancel_before_it_ends_the_call() -> None:
     link, call = session()
     stream = start(link, "made-up")
-    link.serve()
+    link.serve_task()
     await asyncio.sleep(0.01)
     assert stream.let_go(cancel=True)
     await link.close()  # at once, as Client.close() right after the caller left

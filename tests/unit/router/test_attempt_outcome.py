@@ -6,8 +6,8 @@ import grpc
 import pytest
 
 from tokenmesh.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable, rpc_error
-from tokenmesh.router._inference import _not_moved
 from tokenmesh.router._outcome import AT_LIMIT, WorkerFailed, outcome
+from tokenmesh.router._resume import _not_moved
 from tokenmesh.v1 import worker_pb2
 
 

@@ -58,23 +58,23 @@ async def test_one_message_feeds_every_attempt_on_it_in_seq_order() -> None:
     link, _ = session()
     one, two = link.attempt(), link.attempt()
     end = worker_pb2.WorkerEvent(seq=2, end=worker_pb2.GenerationEnd(finish_reason=inference_pb2.FINISH_REASON_STOP))
-    link._deliver(events((1, 1, "a"), (2, 1, "x"), (1, 2, "b"), s2=7.5, ends=[worker_pb2.LinkEnd(stream=2, event=end)]))
+    link.deliver(events((1, 1, "a"), (2, 1, "x"), (1, 2, "b"), s2=7.5, ends=[worker_pb2.LinkEnd(stream=2, event=end)]))
     assert [(e.seq, e.chunk.text) for e in [await one.read(), await one.read()]] == [(1, "a"), (2, "b")]
     first = await two.read()
     assert (first.chunk.text, first.chunk.engine_ttft_ms) == ("x", 7.5)
     assert (await two.read()).end.finish_reason == inference_pb2.FINISH_REASON_STOP
-    assert 2 not in link.attempts and two.done()
+    assert 2 not in link.streams and two.done()
     reading = asyncio.create_task(one.read())
     await asyncio.sleep(0)
     assert not reading.done()  # nothing yet: it waits, the reader never waits for it
-    link._deliver(events((1, 3, "c")))
+    link.deliver(events((1, 3, "c")))
     assert (await reading).seq == 3
 
 
 async def test_credit_goes_back_in_quarter_windows_in_one_message_with_the_commands() -> None:
     link, call = session(window=4096)
     attempt = link.attempt()
-    link._deliver(events(*((1, seq, "t" * 100) for seq in range(1, 11))))
+    link.deliver(events(*((1, seq, "t" * 100) for seq in range(1, 11))))
     for _ in range(8):
         await attempt.read()  # 8 x 116 = 928 < 1024: nothing owed back yet
     await flushed(link)
@@ -91,26 +91,29 @@ async def test_a_status_end_raises_what_its_own_call_would_and_a_broken_link_fai
     link, _ = session()
     refused, running, waiting = link.attempt(), link.attempt(), link.attempt()
     status = ResourceExhausted("worker is at its limit", reason="WORKER_AT_LIMIT").status()
-    link._deliver(events((2, 1, "a"), ends=[worker_pb2.LinkEnd(stream=1, status=status)]))
+    link.deliver(events((2, 1, "a"), ends=[worker_pb2.LinkEnd(stream=1, status=status)]))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await refused.read()
     assert caught.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     pending = asyncio.create_task(waiting.read())
     await asyncio.sleep(0)
-    link.fail(WorkerFailed("link broke", "link_unavailable"))
+    reset = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "reset")
+    link.fail(reset)
     assert (await running.read()).chunk.text == "a"  # what came before the break is delivered first
-    with pytest.raises(WorkerFailed):
+    with pytest.raises(WorkerFailed) as first:
         await running.read()
-    with pytest.raises(WorkerFailed):
+    with pytest.raises(WorkerFailed) as second:
         await pending
-    assert not link.attempts
+    assert first.value.kind == second.value.kind == "link_unavailable" and first.value is not second.value
+    assert "link broke: UNAVAILABLE: reset" in str(first.value)
+    assert not link.streams
 
 
 async def test_cancel_detaches_a_live_stream_only_and_a_retired_session_closes_after_its_last() -> None:
     link, call = session()
     live, ended = link.attempt(), link.attempt()
     end = worker_pb2.WorkerEvent(seq=1, end=worker_pb2.GenerationEnd())
-    link._deliver(events(ends=[worker_pb2.LinkEnd(stream=2, event=end)]))
+    link.deliver(events(ends=[worker_pb2.LinkEnd(stream=2, event=end)]))
     link.retire()
     assert not call.cancelled  # one attempt still runs on it
     reading = asyncio.create_task(live.read())

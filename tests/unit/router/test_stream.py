@@ -9,7 +9,7 @@ from typing import Any
 
 from tokenmesh.errors import InvalidArgument
 from tokenmesh.router import _stream
-from tokenmesh.router._stream import StreamContext, StreamSession
+from tokenmesh.router._stream import StreamContext, Streams, StreamSession
 from tokenmesh.v1 import inference_pb2
 
 
@@ -82,19 +82,16 @@ async def settle() -> None:
 
 
 def opened(
-    script: Script, announced: inference_pb2.StreamSettings = _stream.DEFAULTS, linger_s: float = 0.0
+    script: Script, announced: inference_pb2.StreamSettings | None = None, linger_s: float = 0.0
 ) -> tuple[StreamSession, AsyncIterator[inference_pb2.StreamEvents]]:
     async def cancel(context: StreamContext) -> None:
         return None
 
     session = StreamSession(
         FakeCall(),  # type: ignore[arg-type]
-        script.source,
-        cancel,
-        script.count,
-        lambda: False,
-        announced=announced,
-        linger_s=linger_s,
+        Streams(script.source, cancel, script.count, lambda: False),
+        announced,
+        linger_s,
     )
     return session, session.run(script.requests())
 
