@@ -46,6 +46,7 @@ from tokenmesh.config import address_error
 from tokenmesh.discovery import join, literal_ip
 from tokenmesh.errors import DeadlineExceeded, MeshError, Unavailable, from_rpc_error
 from tokenmesh.links import Links
+from tokenmesh.mux import BROKEN_CODES
 from tokenmesh.retry import Backoff, Reconnect, StreamEnded, describe, is_transient
 from tokenmesh.server import CHANNEL_OPTIONS
 from tokenmesh.tls import open_channel
@@ -53,17 +54,6 @@ from tokenmesh.tracing import Tracing, inject
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-BROKEN_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.INTERNAL,
-    }
-)
-"""Codes a stream ends with when the router or the connection went away mid-stream (a killed router's stream
-ends UNAVAILABLE, a reset one CANCELLED or INTERNAL "RST_STREAM"): resumed, not raised."""
 
 
 class Client:

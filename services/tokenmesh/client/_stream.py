@@ -26,19 +26,13 @@ from typing import Any, Protocol
 import grpc
 
 from tokenmesh.errors import rpc_error
-from tokenmesh.mux import DEFAULT_MAX_BATCH_BYTES, CallerSession, Inbox, cost
+from tokenmesh.mux import BROKEN_CODES, DEFAULT_MAX_BATCH_BYTES, DEFAULT_WINDOW_BYTES, CallerSession, Inbox, cost
 from tokenmesh.v1 import inference_pb2
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WINDOW_BYTES = 4096
-"""A stream's credit when the router's settings name none (credit is returned per quarter of it)."""
 COMMAND_MARGIN = 64
 """Bytes kept free in a StreamCommands beside one command (credit columns, framing)."""
-BROKEN_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
-)
-"""Codes a broken call passes on to its streams as they are (any other becomes UNAVAILABLE: it is not theirs)."""
 
 OpenCall = Callable[[str], Any]
 """Opens a GenerateStream call to a router address (a grpc.aio StreamStreamCall; stubs are untyped)."""

@@ -30,8 +30,10 @@ does with a delivered chunk.
 from tokenmesh.mux._caller import CallerSession, Inbox, Outbox, read_settings
 from tokenmesh.mux._server import Batch, Served, ServerSession, Wake
 from tokenmesh.mux._wire import (
+    BROKEN_CODES,
     CHUNK_OVERHEAD,
     DEFAULT_MAX_BATCH_BYTES,
+    DEFAULT_WINDOW_BYTES,
     MAX_STREAMS,
     PROTOCOL,
     SETTINGS_WAIT_S,
@@ -41,8 +43,10 @@ from tokenmesh.mux._wire import (
 )
 
 __all__ = [
+    "BROKEN_CODES",
     "CHUNK_OVERHEAD",
     "DEFAULT_MAX_BATCH_BYTES",
+    "DEFAULT_WINDOW_BYTES",
     "MAX_STREAMS",
     "PROTOCOL",
     "SETTINGS_WAIT_S",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import grpc
+
 PROTOCOL = 1
 """The protocol both calls speak (their settings' ``protocol``)."""
 CHUNK_OVERHEAD = 16
@@ -12,6 +14,13 @@ SETTINGS_WAIT_S = 5.0
 """How long a new call waits for the server end's settings before it counts as broken."""
 DEFAULT_MAX_BATCH_BYTES = 256 * 1024
 """The largest message: a big one delays every stream behind it on the one HTTP/2 stream by its transfer time."""
+DEFAULT_WINDOW_BYTES = 4096
+"""A stream's credit when a start names none and the settings name none either."""
+BROKEN_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+)
+"""Codes a call ends with when its peer or the connection went away mid-stream (a killed peer's call ends
+UNAVAILABLE, a reset one CANCELLED or INTERNAL "RST_STREAM"): its streams are resumed elsewhere, not failed."""
 MAX_STREAMS = 10_000
 """Streams open at once on one call, unless the server end announces fewer."""
 

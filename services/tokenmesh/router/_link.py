@@ -20,7 +20,7 @@ from opentelemetry.trace import Status, StatusCode
 from prometheus_client import Counter
 
 from tokenmesh.errors import label, rpc_error
-from tokenmesh.mux import DEFAULT_MAX_BATCH_BYTES, CallerSession, Inbox, cost
+from tokenmesh.mux import DEFAULT_MAX_BATCH_BYTES, DEFAULT_WINDOW_BYTES, CallerSession, Inbox, cost
 from tokenmesh.router._outcome import WorkerFailed
 from tokenmesh.tracing import from_mapping, inject
 from tokenmesh.v1 import worker_pb2
@@ -136,9 +136,8 @@ class LinkSession(CallerSession[worker_pb2.LinkCommand, Attempt]):
     ) -> None:
         # Many big prompts queued during one write must not make a message over the call's limit, which would end
         # the link and every stream on it.
-        super().__init__(
-            call, settings.default_window_bytes, settings.max_batch_bytes or DEFAULT_MAX_BATCH_BYTES, _link_commands
-        )
+        window = settings.default_window_bytes or DEFAULT_WINDOW_BYTES
+        super().__init__(call, window, settings.max_batch_bytes or DEFAULT_MAX_BATCH_BYTES, _link_commands)
         self.settings = settings
         self._counters = counters
 

@@ -33,15 +33,25 @@ from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
 from tokenmesh.errors import label
-from tokenmesh.mux import DEFAULT_MAX_BATCH_BYTES, MAX_STREAMS, PROTOCOL, Batch, Served, ServerSession, cost, fits
+from tokenmesh.mux import (
+    DEFAULT_MAX_BATCH_BYTES,
+    DEFAULT_WINDOW_BYTES,
+    MAX_STREAMS,
+    PROTOCOL,
+    Batch,
+    Served,
+    ServerSession,
+    cost,
+    fits,
+)
 from tokenmesh.v1 import inference_pb2, worker_pb2
 from tokenmesh.worker._registry import Record
 
 SETTINGS = worker_pb2.LinkSettings(
     protocol=PROTOCOL,
-    # Near the per-generation call's HTTP/2 window (4 KiB on the router's worker channels): as much ahead of the
-    # router's caller as before.
-    default_window_bytes=4096,
+    # The per-generation call's HTTP/2 window (4 KiB on the router's worker channels): as much ahead of the router's
+    # caller as before.
+    default_window_bytes=DEFAULT_WINDOW_BYTES,
     max_batch_bytes=DEFAULT_MAX_BATCH_BYTES,
     max_streams=MAX_STREAMS,
 )
