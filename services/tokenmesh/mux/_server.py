@@ -246,7 +246,7 @@ class ServerSession(Generic[S]):
             error = exc if isinstance(exc, MeshError) else Internal(f"could not start it: {exc!r}")
             if error is not exc:
                 log.exception("start of stream %d failed", stream)
-            self.ends.append(self._end_type(stream=stream, status=error.status()))
+            self.ends.append(self.end_of(stream, error))
             self._wake.kick()
             return
         self.streams[stream] = served
@@ -258,9 +258,9 @@ class ServerSession(Generic[S]):
         self.ready.pop(served.stream, None)
         self.released(served)
 
-    def end_of(self, served: S, error: MeshError) -> Any:
-        """The end message of a stream that ends with error."""
-        return self._end_type(stream=served.stream, status=error.status())
+    def end_of(self, stream: int, error: MeshError) -> Any:
+        """The end message of a stream that ends with error (a refused start, or a stream's own failure)."""
+        return self._end_type(stream=stream, status=error.status())
 
     def _take(self) -> Any:
         """Everything ready now, within each stream's credit and the message's budget, as one message (or None)."""

@@ -310,7 +310,7 @@ class StreamSession(ServerSession[Logical]):
 
     def _end(self, logical: Logical, error: MeshError) -> None:
         if logical.stream in self.streams:
-            logical.end = self.end_of(logical, error)
+            logical.end = self.end_of(logical.stream, error)
             self.mark(logical)
 
     # -- the send loop's take ---------------------------------------------------------------------------------------

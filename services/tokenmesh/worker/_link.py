@@ -195,7 +195,7 @@ class WorkerLink(ServerSession[Linked]):
         record = served.record
         while served.position < record.total:
             if served.position < record.evicted:
-                self._end(served, batch, self.end_of(served, record.too_slow()))
+                self._end(served, batch, self.end_of(served.stream, record.too_slow()))
                 return False
             event = record.events[served.position - record.evicted]
             if event.HasField("chunk"):
