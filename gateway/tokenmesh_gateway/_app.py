@@ -8,9 +8,10 @@ browser's ``OPTIONS`` preflight gets the same methods in a 204 instead), the rou
 of the requests counter (the template, never the caller's path) and the docs
 (:func:`routes_markdown`).
 
-With API keys, a caller's ``X-Request-Id`` is kept apart per tenant (the
-mesh sees ``<tenant>/<id>``), so one tenant can neither resume nor cancel
-another's generations.
+Every generation route goes through the one request front
+(:mod:`tokenmesh_gateway._front`): OpenAI's and Anthropic's POSTs as a
+:class:`~tokenmesh_gateway._front.Dialect` each (:mod:`tokenmesh_gateway._dialects`),
+Responses through :class:`~tokenmesh_gateway._responses_api.ResponsesApi`.
 """
 
 from __future__ import annotations
@@ -23,30 +24,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter
 
 from tokenmesh.client import Client
 from tokenmesh.errors import MeshError
-from tokenmesh.tracing import from_mapping, inject, operation
 from tokenmesh.v1 import inference_pb2
-from tokenmesh_gateway import _anthropic, _session
-from tokenmesh_gateway._anthropic_sse import ANTHROPIC_ERRORS, MessagesAnswer
-from tokenmesh_gateway._auth import tenant_of
+from tokenmesh_gateway._anthropic_sse import ANTHROPIC_ERRORS
 from tokenmesh_gateway._config import GatewayConfig
 from tokenmesh_gateway._cors import Cors
-from tokenmesh_gateway._errors import DEFAULT_RETRY_AFTER_MS, OPENAI_ERRORS, ErrorShape, HttpError, from_mesh, invalid
-from tokenmesh_gateway._fields import decode_body
-from tokenmesh_gateway._http import Receive, Scope, Send, header, read_body, respond, respond_error
+from tokenmesh_gateway._dialects import CHAT, COMPLETION, MESSAGES, OpenAI
+from tokenmesh_gateway._errors import OPENAI_ERRORS, ErrorShape, HttpError, from_mesh
+from tokenmesh_gateway._front import Front, post
+from tokenmesh_gateway._http import Receive, Scope, Send, header, respond, respond_error
 from tokenmesh_gateway._ids import check_id as _check_id
 from tokenmesh_gateway._ids import flag as _flag
 from tokenmesh_gateway._ids import last_event as _last_event
-from tokenmesh_gateway._ids import request_id_of as _request_id
 from tokenmesh_gateway._ids import seq_of as _seq
-from tokenmesh_gateway._openai import Kind, parse, stream_flags
+from tokenmesh_gateway._openai import Kind
 from tokenmesh_gateway._responses_api import ResponsesApi
-from tokenmesh_gateway._sse import OpenAIAnswer, response_id
-from tokenmesh_gateway._stream import Answer, Exchanges
+from tokenmesh_gateway._sse import response_id
 
 _PREFLIGHT = b"access-control-request-method"
 """The header that makes an ``OPTIONS`` a CORS preflight."""
@@ -64,30 +60,20 @@ class GatewayApp:
 
     """
 
-    client: Client
-    config: GatewayConfig
-    keys: dict[str, str] | None
-    exchanges: Exchanges
+    front: Front
+    """What every generation route does the same way (tenants, draining, ids, spans, the exchanges)."""
     responses: ResponsesApi
     """The /v1/responses routes and the background responses this gateway follows."""
-    draining: bool
-    """New generations get 503 and /health says draining."""
     cors: Cors | None
     """Which browser pages of other origins may call (None: no CORS, ``--cors-origins`` empty)."""
     created: int
     """Unix time the gateway started (the models' ``created``)."""
 
     def __init__(self, client: Client, config: GatewayConfig, keys: dict[str, str] | None = None) -> None:
-        self.client = client
-        self.config = config
-        self.keys = keys
-        self.exchanges = Exchanges(config.keepalive_s)
-        self.responses = ResponsesApi(self)
-        self.draining = False
+        self.front = Front(client, config, keys)
+        self.responses = ResponsesApi(self.front)
         self.cors = Cors(config.cors_origins) if config.cors_origins else None
         self.created = int(time.time())
-        self.tracer: trace.Tracer = trace.NoOpTracer()
-        """A span per generation (OpenTelemetry's no-op tracer while tracing is off)."""
         self.registry = CollectorRegistry()
         """The gateway's Prometheus metrics, served on ``--metrics-port`` (never on the public port)."""
         self.requests = Counter(
@@ -125,98 +111,11 @@ class GatewayApp:
         finally:
             self.requests.labels(label, str(counted.status or "none")).inc()
 
-    # -- generations ------------------------------------------------------------
+    # -- generations (every one through the request front) -----------------------
 
-    async def _generate(self, kind: Kind, scope: Scope, receive: Receive, send: Send) -> None:
-        tenant = self._tenant(scope)
-        self._refuse_if_draining()
-        body = decode_body(await read_body(scope, receive, self.config.max_body_bytes))
-        request_id = _request_id(scope)
-        last_event = header(scope, b"last-event-id")
-        if last_event is not None:
-            after_id, after = _last_event(last_event.decode("latin-1"), request_id)
-            if body.get("stream") is not True:
-                raise invalid("Last-Event-ID resumes a stream: send stream: true", "stream")
-            include, continuous = stream_flags(body)
-            model = body.get("model")
-            model = model if isinstance(model, str) else ""
-            await self._resume(kind, after_id, after, tenant, include, continuous, receive, send, model, scope)
-            return
-        parsed = parse(body, kind, self.config.default_model)
-        request = parsed.request
-        _session.from_header(scope, request)
-        prefix = self._identify(request, request_id, tenant)
-        answer = OpenAIAnswer(
-            kind, parsed.stream, parsed.include_usage, parsed.continuous_usage, request.model, int(time.time()), prefix
-        )
-        await self._answer(kind, request, answer, scope, receive, send)
-
-    async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """An Anthropic Messages request: the same generation, answered in Anthropic's format."""
-        tenant = self._tenant(scope)
-        self._refuse_if_draining()
-        body = decode_body(await read_body(scope, receive, self.config.max_body_bytes))
-        request_id = _request_id(scope)
-        last_event = header(scope, b"last-event-id")
-        if last_event is not None:
-            await self._resume_messages(body, last_event, request_id, tenant, scope, receive, send)
-            return
-        parsed = _anthropic.parse(body, self.config.default_model)
-        request = parsed.request
-        _session.from_header(scope, request)
-        prefix = self._identify(request, request_id, tenant)
-        await self._answer("chat", request, MessagesAnswer(parsed.stream, request.model, prefix), scope, receive, send)
-
-    async def _resume_messages(  # wide: one request's resume coordinates (the request front carries them next)
-        self,
-        body: dict[str, Any],
-        last_event: bytes,
-        request_id: str,
-        tenant: str,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-    ) -> None:
-        """A repeated Messages POST with ``Last-Event-ID``: the rest of that stream, without its opening events."""
-        after_id, after = _last_event(last_event.decode("latin-1"), request_id)
-        if body.get("stream") is not True:
-            raise invalid("Last-Event-ID resumes a stream: send stream: true", "stream")
-        model = body.get("model")
-        model = model if isinstance(model, str) else ""
-        prefix = f"{tenant}/" if tenant else ""
-        answer = MessagesAnswer(True, model or self.config.default_model, prefix, after=after)
-        await self._replay("chat", after_id, after, answer, receive, send, model, scope)
-
-    @staticmethod
-    def _identify(request: inference_pb2.GenerateRequest, request_id: str, tenant: str) -> str:
-        """Set the request's id (the caller's, in its tenant's space) and tenant label; the ids' prefix."""
-        prefix = f"{tenant}/" if tenant else ""
-        if request_id:
-            request.request_id = prefix + request_id
-        if tenant:
-            request.labels["tenant"] = tenant
-        return prefix
-
-    async def _answer(
-        self,
-        kind: Kind,
-        request: inference_pb2.GenerateRequest,
-        answer: Answer,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-    ) -> None:
-        span, metadata = self._span(scope, kind, request.model or "default")
-        try:
-            await self.exchanges.answer(
-                lambda: self.client.generate(request, timeout=self._timeout(), metadata=metadata), answer, receive, send
-            )
-        finally:
-            span.end()
-
-    async def _resume_get(self, kind: Kind, request_id: str, scope: Scope, receive: Receive, send: Send) -> None:
-        tenant = self._tenant(scope)
-        self._refuse_if_draining()
+    async def _resume_get(self, dialect: OpenAI, request_id: str, scope: Scope, receive: Receive, send: Send) -> None:
+        incoming = self.front.caller(scope, receive)
+        self.front.refuse_if_draining()
         _check_id(request_id, "the path's request id")
         query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
         after = 0
@@ -226,89 +125,14 @@ class GatewayApp:
         elif "starting_after" in query:
             after = _seq(query["starting_after"][-1], "starting_after")
         include = _flag(query, "include_usage")
-        continuous = include and _flag(query, "continuous_usage_stats")
-        await self._resume(kind, request_id, after, tenant, include, continuous, receive, send, scope=scope)
+        answer = dialect.resumed_answer(incoming, include, include and _flag(query, "continuous_usage_stats"), "")
+        await incoming.replay(dialect.kind, request_id, after, answer, send)
 
-    async def _resume(  # wide: one request's resume coordinates (the request front carries them next)
-        self,
-        kind: Kind,
-        request_id: str,
-        after: int,
-        tenant: str,
-        include_usage: bool,
-        continuous_usage: bool,
-        receive: Receive,
-        send: Send,
-        model: str = "",
-        scope: Scope | None = None,
-    ) -> None:
-        # A resumed stream's chunks may name no model: the caller's (a repeated POST), else the default.
-        prefix = f"{tenant}/" if tenant else ""
-        answer = OpenAIAnswer(
-            kind, True, include_usage, continuous_usage, model or self.config.default_model, int(time.time()), prefix
-        )
-        await self._replay(kind, request_id, after, answer, receive, send, model, scope)
-
-    async def _replay(  # wide: one request's resume coordinates (the request front carries them next)
-        self,
-        kind: Kind,
-        request_id: str,
-        after: int,
-        answer: Answer,
-        receive: Receive,
-        send: Send,
-        model: str,
-        scope: Scope | None,
-    ) -> None:
-        """Every chunk of request_id (in the answer's tenant's space) after seq ``after``, then live, as answer says."""
-        span, metadata = (
-            self._span(scope, kind, model or self.config.default_model or "default")
-            if scope is not None
-            else (trace.INVALID_SPAN, ())
-        )
-        try:
-            await self.exchanges.answer(
-                lambda: self.client.resume(
-                    answer.id_prefix + request_id, after, timeout=self._timeout(), metadata=metadata
-                ),
-                answer,
-                receive,
-                send,
-            )
-        finally:
-            span.end()
-
-    def _span(self, scope: Scope, kind: Kind, model: str) -> tuple[trace.Span, tuple[tuple[str, str], ...]]:
-        """The request's span and the metadata that makes it the router's parent.
-
-        The span is the child of the caller's W3C traceparent; with tracing off
-        it is the no-op tracer's, which carries the caller's trace context on
-        to the router.
-        """
-        carrier = {
-            name: value.decode("latin-1")
-            for name in ("traceparent", "tracestate")
-            if (value := header(scope, name.encode())) is not None
-        }
-        name = operation(kind == "chat")
-        span = self.tracer.start_span(
-            f"{name} {model}",
-            context=from_mapping(carrier),
-            kind=trace.SpanKind.SERVER,
-            attributes={
-                "gen_ai.operation.name": name,
-                "gen_ai.request.model": model,
-                "http.request.method": scope.get("method", ""),
-                "url.path": scope.get("path", ""),
-            },
-        )
-        return span, tuple(inject(span).items())
-
-    async def _cancel(self, kind: Kind, request_id: str, scope: Scope, send: Send) -> None:
-        tenant = self._tenant(scope)
+    async def _cancel(self, kind: Kind, request_id: str, scope: Scope, receive: Receive, send: Send) -> None:
+        incoming = self.front.caller(scope, receive)
         _check_id(request_id, "the path's request id")
         try:
-            response = await self.client.cancel((f"{tenant}/" if tenant else "") + request_id)
+            response = await self.front.client.cancel(incoming.mesh_id(request_id))
         except MeshError as error:
             raise from_mesh(error) from error
         await respond(
@@ -326,9 +150,9 @@ class GatewayApp:
     # -- the rest -----------------------------------------------------------------
 
     async def _models(self, scope: Scope, send: Send, name: str | None) -> None:
-        self._tenant(scope)
+        self.front.tenant(scope)
         try:
-            listed = await self.client.list_models()
+            listed = await self.front.client.list_models()
         except MeshError as error:
             raise from_mesh(error) from error
         models = [_model(m, self.created) for m in listed.models]
@@ -347,7 +171,7 @@ class GatewayApp:
         )
 
     async def _health(self, send: Send) -> None:
-        if self.draining:
+        if self.front.draining:
             await respond(send, 503, b'{"status":"draining"}')
         else:
             await respond(send, 200, b'{"status":"ok"}')
@@ -358,24 +182,6 @@ class GatewayApp:
         headers = cors.preflight(header(scope, b"origin"), allow, header(scope, b"access-control-request-headers"))
         await send({"type": "http.response.start", "status": 204, "headers": headers})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    def _tenant(self, scope: Scope) -> str:
-        """The caller's tenant ('' without keys); 401 without a valid key."""
-        if self.keys is None:
-            return ""
-        return tenant_of(self.keys, header(scope, b"authorization"), header(scope, b"x-api-key"))
-
-    def _refuse_if_draining(self) -> None:
-        if self.draining:
-            raise HttpError(
-                503,
-                "this gateway is shutting down; send the request to another one",
-                code="unavailable",
-                retry_after_ms=DEFAULT_RETRY_AFTER_MS,
-            )
-
-    def _timeout(self) -> float | None:
-        return self.config.timeout_s or None
 
 
 class _Counted:
@@ -451,43 +257,43 @@ ROUTES: tuple[Route, ...] = (
         "POST",
         "/v1/chat/completions",
         "a chat generation, streamed (SSE) or whole; with `Last-Event-ID`: resume a stream after that event",
-        lambda app, scope, receive, send, _: app._generate("chat", scope, receive, send),
+        lambda app, scope, receive, send, _: post(app.front, CHAT, scope, receive, send),
     ),
     Route(
         "POST",
         "/v1/completions",
         "a completion, streamed (SSE) or whole; with `Last-Event-ID`: resume a stream after that event",
-        lambda app, scope, receive, send, _: app._generate("completion", scope, receive, send),
+        lambda app, scope, receive, send, _: post(app.front, COMPLETION, scope, receive, send),
     ),
     Route(
         "GET",
         "/v1/chat/completions/{id}/stream",
         "resume a stream after `Last-Event-ID` (or `?starting_after=SEQ`; from the start without)",
-        lambda app, scope, receive, send, p: app._resume_get("chat", p["id"], scope, receive, send),
+        lambda app, scope, receive, send, p: app._resume_get(CHAT, p["id"], scope, receive, send),
     ),
     Route(
         "GET",
         "/v1/completions/{id}/stream",
         "resume a stream after `Last-Event-ID` (or `?starting_after=SEQ`; from the start without)",
-        lambda app, scope, receive, send, p: app._resume_get("completion", p["id"], scope, receive, send),
+        lambda app, scope, receive, send, p: app._resume_get(COMPLETION, p["id"], scope, receive, send),
     ),
     Route(
         "DELETE",
         "/v1/chat/completions/{id}",
         "cancel the generation, wherever it runs",
-        lambda app, scope, _, send, p: app._cancel("chat", p["id"], scope, send),
+        lambda app, scope, receive, send, p: app._cancel("chat", p["id"], scope, receive, send),
     ),
     Route(
         "DELETE",
         "/v1/completions/{id}",
         "cancel the generation, wherever it runs",
-        lambda app, scope, _, send, p: app._cancel("completion", p["id"], scope, send),
+        lambda app, scope, receive, send, p: app._cancel("completion", p["id"], scope, receive, send),
     ),
     Route(
         "POST",
         "/v1/messages",
         "an Anthropic Messages generation, streamed (SSE with named events) or whole; errors in Anthropic's shape",
-        lambda app, scope, receive, send, _: app._messages(scope, receive, send),
+        lambda app, scope, receive, send, _: post(app.front, MESSAGES, scope, receive, send),
         ANTHROPIC_ERRORS,
     ),
     Route(
@@ -508,13 +314,13 @@ ROUTES: tuple[Route, ...] = (
         "POST",
         "/v1/responses/{id}/cancel",
         "cancel a background response (idempotent); answers the Response",
-        lambda app, scope, _, send, p: app.responses.cancel(scope, send, p["id"]),
+        lambda app, scope, receive, send, p: app.responses.cancel(scope, receive, send, p["id"]),
     ),
     Route(
         "DELETE",
         "/v1/responses/{id}",
         "forget a response, cancelling it if it runs",
-        lambda app, scope, _, send, p: app.responses.delete(scope, send, p["id"]),
+        lambda app, scope, receive, send, p: app.responses.delete(scope, receive, send, p["id"]),
     ),
     Route(
         "GET",

@@ -14,54 +14,17 @@ from __future__ import annotations
 
 import time
 import urllib.parse
-from typing import Protocol
 
 import orjson
-from opentelemetry import trace
 
-from tokenmesh.client import Client
 from tokenmesh.errors import MeshError, NotFound
-from tokenmesh.v1 import inference_pb2
-from tokenmesh_gateway import _session
-from tokenmesh_gateway._config import GatewayConfig
 from tokenmesh_gateway._errors import HttpError, from_mesh, invalid
-from tokenmesh_gateway._fields import decode_body
-from tokenmesh_gateway._http import Receive, Scope, Send, read_body, respond
+from tokenmesh_gateway._front import Front, Incoming
+from tokenmesh_gateway._http import Receive, Scope, Send, respond
 from tokenmesh_gateway._ids import check_id, flag, request_id_of, seq_of
-from tokenmesh_gateway._openai import Kind
 from tokenmesh_gateway._response_store import Kept, ResponseStore, background_id, created_of
 from tokenmesh_gateway._responses import Echo, ResponsesRequest, parse
 from tokenmesh_gateway._responses_sse import Head, ResponsesAnswer, response_object
-from tokenmesh_gateway._stream import Answer, Exchanges
-
-
-class Host(Protocol):
-    """What these routes use of the gateway's application (``GatewayApp``; a protocol, so no import cycle)."""
-
-    client: Client
-    config: GatewayConfig
-    exchanges: Exchanges
-
-    def _tenant(self, scope: Scope) -> str: ...
-
-    def _refuse_if_draining(self) -> None: ...
-
-    def _identify(self, request: inference_pb2.GenerateRequest, request_id: str, tenant: str) -> str: ...
-
-    def _span(self, scope: Scope, kind: Kind, model: str) -> tuple[trace.Span, tuple[tuple[str, str], ...]]: ...
-
-    def _timeout(self) -> float | None: ...
-
-    async def _answer(
-        self,
-        kind: Kind,
-        request: inference_pb2.GenerateRequest,
-        answer: Answer,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-    ) -> None: ...
-
 
 START_WAIT_S = 2.0
 """How long a background create (or an adopting retrieve) waits for the first chunk before it answers ``queued``:
@@ -81,53 +44,47 @@ PREFIX = "resp_"
 
 
 class ResponsesApi:
-    """The Responses API of one gateway, over its app's client and exchanges.
+    """The Responses API of one gateway, through its request front.
 
     Args:
-        app: the gateway's application (its client, settings, exchanges, tenants and spans).
+        front: the gateway's request front (its client, settings, exchanges, tenants and spans).
 
     """
 
-    app: Host
+    front: Front
     store: ResponseStore
     """The background responses this gateway follows."""
 
-    def __init__(self, app: Host) -> None:
-        self.app = app
-        self.store = ResponseStore(app.config.responses_retention_s, app.config.responses_max, app.client.cancel)
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.store = ResponseStore(front.config.responses_retention_s, front.config.responses_max, front.client.cancel)
 
     async def create(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/responses``."""
-        app = self.app
-        tenant = app._tenant(scope)
-        app._refuse_if_draining()
-        parsed = parse(
-            decode_body(await read_body(scope, receive, app.config.max_body_bytes)), app.config.default_model
-        )
-        _session.from_header(scope, parsed.request)
-        prefix = f"{tenant}/" if tenant else ""
+        incoming = await self.front.open(scope, receive)
+        parsed = parse(incoming.body, self.front.config.default_model)
         created = int(time.time())
         if parsed.echo.background:
-            await self._background(parsed, created, tenant, scope, receive, send)
+            await self._background(incoming, parsed, created, send)
             return
         request = parsed.request
-        app._identify(request, request_id_of(scope), tenant)
-        answer = ResponsesAnswer(parsed.stream, Head("", created, request.model, parsed.echo), id_prefix=prefix)
-        await app._answer("chat", request, answer, scope, receive, send)
+        incoming.identify(request, request_id_of(scope))
+        answer = ResponsesAnswer(
+            parsed.stream, Head("", created, request.model, parsed.echo), id_prefix=incoming.prefix
+        )
+        await incoming.generate("chat", request, answer, send)
 
-    async def _background(
-        self, parsed: ResponsesRequest, created: int, tenant: str, scope: Scope, receive: Receive, send: Send
-    ) -> None:
+    async def _background(self, incoming: Incoming, parsed: ResponsesRequest, created: int, send: Send) -> None:
         """Start a generation this gateway follows; answer its Response (``queued`` or later) or stream it."""
-        app = self.app
+        front = self.front
         request = parsed.request
         request_id = background_id(created)
-        prefix = app._identify(request, request_id, tenant)
+        incoming.identify(request, request_id)
         kept = Kept(request.request_id, Head(request_id, created, request.model, parsed.echo))
         self.store.add(kept)
-        span, metadata = app._span(scope, "chat", request.model or "default")
+        span, metadata = front.span(incoming.scope, "chat", request.model or "default")
         try:
-            kept.follow(app.client.generate(request, timeout=app._timeout(), metadata=metadata))
+            kept.follow(front.client.generate(request, timeout=front.timeout(), metadata=metadata))
             await kept.started(START_WAIT_S)
         finally:
             span.end()
@@ -135,15 +92,14 @@ class ResponsesApi:
             self.store.forget(kept)
             raise from_mesh(kept.error)
         if parsed.stream:
-            answer = ResponsesAnswer(True, kept.head, id_prefix=prefix, opening_status="queued")
-            await app.exchanges.answer(kept.replay, answer, receive, send)
+            answer = ResponsesAnswer(True, kept.head, id_prefix=incoming.prefix, opening_status="queued")
+            await front.exchanges.answer(kept.replay, answer, incoming.receive, send)
             return
         await respond(send, 200, orjson.dumps(response_object(kept.head, kept.outcome())), _id_header(request_id))
 
     async def retrieve(self, scope: Scope, receive: Receive, send: Send, path_id: str) -> None:
         """``GET /v1/responses/{id}``: the Response now, or (``?stream=true``) its events after ``starting_after``."""
-        app = self.app
-        tenant = app._tenant(scope)
+        incoming = self.front.caller(scope, receive)
         request_id = _request_id(path_id)
         query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
         after = -1
@@ -151,23 +107,22 @@ class ResponsesApi:
             after = seq_of(query["starting_after"][-1], "starting_after")
         stream = flag(query, "stream")
         if stream:
-            app._refuse_if_draining()
-        kept = await self._find(request_id, tenant)
+            self.front.refuse_if_draining()
+        kept = await self._find(incoming, request_id)
         if stream:
-            prefix = f"{tenant}/" if tenant else ""
-            answer = ResponsesAnswer(True, kept.head, after, id_prefix=prefix)
-            await app.exchanges.answer(kept.replay, answer, receive, send)
+            answer = ResponsesAnswer(True, kept.head, after, id_prefix=incoming.prefix)
+            await self.front.exchanges.answer(kept.replay, answer, receive, send)
             return
         await respond(send, 200, orjson.dumps(response_object(kept.head, kept.outcome())), _id_header(request_id))
 
-    async def cancel(self, scope: Scope, send: Send, path_id: str) -> None:
+    async def cancel(self, scope: Scope, receive: Receive, send: Send, path_id: str) -> None:
         """``POST /v1/responses/{id}/cancel``: stop it; its Response (cancelled, or as it ended) however often asked."""
-        tenant = self.app._tenant(scope)
+        incoming = self.front.caller(scope, receive)
         request_id = _request_id(path_id)
-        kept = await self._find(request_id, tenant)
+        kept = await self._find(incoming, request_id)
         if not kept.finished:
             try:
-                await self.app.client.cancel(kept.mesh_id)
+                await self.front.client.cancel(kept.mesh_id)
             except NotFound:
                 pass  # it ended meanwhile: its end is on its way to the follow task
             except MeshError as error:
@@ -175,16 +130,16 @@ class ResponsesApi:
             await kept.settled(CANCEL_WAIT_S)
         await respond(send, 200, orjson.dumps(response_object(kept.head, kept.outcome())), _id_header(request_id))
 
-    async def delete(self, scope: Scope, send: Send, path_id: str) -> None:
+    async def delete(self, scope: Scope, receive: Receive, send: Send, path_id: str) -> None:
         """``DELETE /v1/responses/{id}``: forget it here, cancelling it if it still runs."""
-        tenant = self.app._tenant(scope)
+        incoming = self.front.caller(scope, receive)
         request_id = _request_id(path_id)
-        mesh_id = (f"{tenant}/" if tenant else "") + request_id
+        mesh_id = incoming.mesh_id(request_id)
         kept = self.store.remove(mesh_id)
         live = False
         if kept is None or not kept.finished:
             try:
-                live = (await self.app.client.cancel(mesh_id)).cancelled
+                live = (await self.front.client.cancel(mesh_id)).cancelled
             except NotFound:
                 pass
             except MeshError as error:
@@ -196,9 +151,9 @@ class ResponsesApi:
         body = {"id": PREFIX + request_id, "object": "response", "deleted": True}
         await respond(send, 200, orjson.dumps(body))
 
-    async def _find(self, request_id: str, tenant: str) -> Kept:
+    async def _find(self, incoming: Incoming, request_id: str) -> Kept:
         """The background response kept here, else adopted from the mesh (Resume from its start); 404 saying why."""
-        mesh_id = (f"{tenant}/" if tenant else "") + request_id
+        mesh_id = incoming.mesh_id(request_id)
         kept = self.store.get(mesh_id)
         if kept is not None:
             return kept
@@ -217,11 +172,11 @@ class ResponsesApi:
                 f"{self.store.retention_s:g} s from their creation",
                 code="expired",
             )
-        self.app._refuse_if_draining()  # a stopping gateway adopts nothing: another one will
-        adopted = Kept(mesh_id, Head(request_id, created, self.app.config.default_model, Echo(background=True)))
+        self.front.refuse_if_draining()  # a stopping gateway adopts nothing: another one will
+        adopted = Kept(mesh_id, Head(request_id, created, self.front.config.default_model, Echo(background=True)))
         adopted.on_lost = lambda: self.store.forget(adopted)
         self.store.add(adopted)
-        adopted.follow(self.app.client.resume(mesh_id, 0, timeout=self.app._timeout()))
+        adopted.follow(self.front.client.resume(mesh_id, 0, timeout=self.front.timeout()))
         await adopted.caught_up(REPLAY_GAP_S, ADOPT_WAIT_S)
         if adopted.error is not None and not adopted.chunks:
             self.store.forget(adopted)

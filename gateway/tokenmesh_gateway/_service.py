@@ -103,7 +103,7 @@ class Gateway(Lifecycle):
         if cfg.tls_mode != "off":
             self.spawn(self._follow_certificates(), "certificate renewals")
         self.app = GatewayApp(self.client, cfg, keys)
-        self.app.tracer = self.tracing.tracer
+        self.app.front.tracer = self.tracing.tracer
         if cfg.metrics_port:
             self.metrics_endpoint = MetricsEndpoint(self.app.registry, cfg.host, cfg.metrics_port, "gateway")
         self._socket = _listen(cfg.host, cfg.port)
@@ -113,7 +113,7 @@ class Gateway(Lifecycle):
         self._main_loop = self.spawn(server.main_loop(), "uvicorn")
         if cfg.health_port:
             app = self.app
-            self.health_port = HealthPort(lambda: app.draining)
+            self.health_port = HealthPort(lambda: app.front.draining)
             await self.health_port.start(cfg.host, cfg.health_port)
         log.info(
             "gateway serving on %s (routers %s)%s",
@@ -186,13 +186,13 @@ class Gateway(Lifecycle):
     async def _set_ready(self, ready: bool) -> None:
         """Not ready: /health answers 503 and new generations get 503 (ready again it never becomes)."""
         if self.app is not None and not ready:
-            self.app.draining = True
+            self.app.front.draining = True
 
     async def _drain(self) -> None:
         """Open exchanges finish within drain_grace_s (the rest end with an error event), then uvicorn stops."""
         if self.app is not None:
-            log.info("gateway: %d exchanges open", len(self.app.exchanges.active))
-            await self.app.exchanges.drain(self.config.drain_grace_s, self.config.drain_tail_s)
+            log.info("gateway: %d exchanges open", len(self.app.front.exchanges.active))
+            await self.app.front.exchanges.drain(self.config.drain_grace_s, self.config.drain_tail_s)
             # Background responses run on in the workers for their resume grace: any gateway's retrieve adopts them.
             await self.app.responses.store.close()
         if self._server is not None:

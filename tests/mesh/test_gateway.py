@@ -328,7 +328,7 @@ async def test_a_dropped_stream_without_request_id_cancels_its_generation_at_onc
         await wait_until(lambda: not running(mesh), timeout=1)
         assert time.monotonic() - dropped < 1
         await wait_until(lambda: not mesh.router.inference.live.by_id, timeout=1)
-        assert not gw.app.exchanges.active
+        assert not gw.app.front.exchanges.active
 
 
 async def test_a_non_streamed_request_whose_caller_leaves_is_cancelled() -> None:
@@ -385,7 +385,7 @@ async def test_shutdown_drains_then_ends_open_streams_with_an_error_event() -> N
                     reader = Reader(response)
                     await reader.events(2)
                     stopping = asyncio.create_task(gw.shutdown())
-                    await wait_until(lambda: gw.app.draining)
+                    await wait_until(lambda: gw.app.front.draining)
                     health = await http.get(gw.url.removesuffix("/v1") + "/health")
                     assert health.status_code == 503 and health.json() == {"status": "draining"}
                     refused = await http.post("/completions", json={"prompt": "hi", "max_tokens": 2})

@@ -99,9 +99,9 @@ async def test_metrics_and_health_have_ports_of_their_own(mesh: InProcessMesh) -
         slow = asyncio.create_task(
             http.post(f"{public}/v1/completions", json={"prompt": "y", "max_tokens": 20}, timeout=30)
         )
-        await wait_until(lambda: len(app.exchanges.active) == 1)
+        await wait_until(lambda: len(app.front.exchanges.active) == 1)
         shutdown = asyncio.create_task(gateway.shutdown())
-        await wait_until(lambda: app.draining)
+        await wait_until(lambda: app.front.draining)
         draining = await http.get(f"{probe}/health")
         assert (draining.status_code, draining.json()) == (503, {"status": "draining"})
         assert (await slow).json()["choices"][0]["text"] == tokens(20)

@@ -386,7 +386,7 @@ async def test_a_dying_certificate_task_stops_the_gateway_with_exit_code_1(
             cert.write_bytes(cert.read_bytes() + b"\n")  # renewed: the loop renews the channels, which raises
             assert await asyncio.wait_for(run, 10) == 1
             assert isinstance(gateway.failure, RuntimeError) and "renewal bug" in str(gateway.failure)
-            assert gateway.app is not None and gateway.app.draining
+            assert gateway.app is not None and gateway.app.front.draining
             with pytest.raises(httpx.ConnectError):
                 await http.get(health)  # stopped, not half-alive
     finally:
