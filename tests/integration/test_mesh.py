@@ -9,6 +9,7 @@ import threading
 import time
 
 import grpc
+import jsonschema
 import psutil
 import pytest
 
@@ -207,3 +208,79 @@ def test_worker_over_an_existing_triton(mesh: MeshHandle) -> None:
     finally:
         child.proc.terminate()
         child.proc.wait(30)
+
+
+FRUIT = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "color": {"enum": ["red", "green", "yellow"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+    },
+    "required": ["name", "color", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_a_json_schema_output_validates_at_every_seed_streamed(mesh: MeshHandle) -> None:
+    schema_format = inference_pb2.StructuredOutput(json_schema=json.dumps(FRUIT))
+    for seed in range(6):
+        chunks = generate(
+            mesh,
+            messages=[{"role": "user", "content": "Describe a fruit as JSON."}],
+            max_tokens=160,
+            seed=seed,
+            temperature=1.0,
+            structured_output=schema_format,
+        )
+        assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_STOP, (seed, chunks[-1])
+        jsonschema.validate(json.loads("".join(c.text for c in chunks)), FRUIT)
+
+
+def test_a_choice_and_a_grammar_hold_and_logit_bias_bans_a_token(mesh: MeshHandle) -> None:
+    options = ["Paris", "Lyon", "Marseille"]
+    for seed in range(3):
+        chunks = generate(
+            mesh,
+            prompt="The capital of France is",
+            max_tokens=16,
+            seed=seed,
+            structured_output=inference_pb2.StructuredOutput(choice=inference_pb2.Choice(options=options)),
+        )
+        assert "".join(c.text for c in chunks) in options
+    yes_no = inference_pb2.StructuredOutput(grammar='root ::= "yes" | "no"')
+    assert "".join(
+        c.text for c in generate(mesh, prompt="Is Paris in France?", max_tokens=4, structured_output=yes_no)
+    ) in (
+        "yes",
+        "no",
+    )
+    plain = "".join(c.text for c in generate(mesh, prompt="The capital of France is", max_tokens=4, temperature=0))
+    assert plain.startswith(" Paris"), plain
+    paris = 7042  # SmolLM2's token " Paris"
+    for seed in range(5):
+        text = "".join(
+            c.text
+            for c in generate(
+                mesh,
+                prompt="The capital of France is",
+                max_tokens=4,
+                seed=seed,
+                temperature=0,
+                logit_bias={paris: -100},
+            )
+        )
+        assert not text.startswith(" Paris"), (seed, text)
+
+
+def test_a_format_the_engine_cannot_compile_is_the_callers_error_and_blames_no_worker(mesh: MeshHandle) -> None:
+    wait_idle(mesh)
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(mesh, prompt="x", structured_output=inference_pb2.StructuredOutput(json_schema='{"type": "nonsense"}'))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_output.json_schema is not a valid JSON Schema" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as engine:  # passes the router's check; llama.cpp cannot parse it
+        generate(mesh, prompt="x", structured_output=inference_pb2.StructuredOutput(grammar='root ::= ( "a" '))
+    assert engine.value.code() == grpc.StatusCode.INVALID_ARGUMENT, engine.value.details()
+    assert "failed to parse grammar" in engine.value.details()
+    wait_idle(mesh, timeout=3)  # a caller's error: no worker lost weight

@@ -41,6 +41,26 @@ async def test_chat_is_continued_as_a_prefilled_assistant_message(mesh: InProces
     assert continued.messages == (("user", "count"), ("assistant", expected_text(3)))
 
 
+async def test_a_structured_generation_is_retried_whole_before_output_and_aborted_after(mesh: InProcessMesh) -> None:
+    grammar = inference_pb2.StructuredOutput(grammar='root ::= "tok"')
+    mesh.backends[0].fail_after = 0  # fails before its first token: retried whole, as any generation
+    chunks = await collect(mesh, prompt="x", max_tokens=4, structured_output=grammar)
+    assert_exact(chunks, 4)
+    assert mesh.backends[1].started[0].params.structured == {"grammar": 'root ::= "tok"'}
+    mesh.backends[0].fail_after = mesh.backends[1].fail_after = 2  # whichever it gets fails after 2 tokens
+    received: list[inference_pb2.GenerateChunk] = []
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        async for chunk in mesh.inference.Generate(
+            inference_pb2.GenerateRequest(prompt="x", max_tokens=6, structured_output=grammar)
+        ):
+            received.append(chunk)
+    assert ended.value.code() == grpc.StatusCode.ABORTED, ended.value.details()
+    assert "not continued on another worker" in (ended.value.details() or "")
+    # What came is what the first worker produced, never a success: no final chunk, and no second worker's start.
+    assert "".join(c.text for c in received) == expected_text(2) and not any(c.finish_reason for c in received)
+    assert sum(len(b.started) for b in mesh.backends) == 3
+
+
 async def test_stalled_worker_is_failed_over_after_the_stall_window() -> None:
     async with in_process_mesh(stall_timeout_s=0.3) as mesh:
         mesh.backends[0].stall_after = 5

@@ -183,7 +183,7 @@ def test_golden_render(helm: str, example: str) -> None:
 
 # ----------------------------------------------------------- refused values
 
-SIDECAR_IMAGE = {"repository": "nvcr.io/nvidia/tritonserver", "tag": "24.08-vllm-python-py3"}
+SIDECAR_IMAGE = {"repository": "nvcr.io/nvidia/tritonserver", "tag": "25.01-vllm-python-py3"}
 BAD_VALUES = {
     "negative-gpu-count": (overrides(worker__gpus=-1), "worker.gpus"),
     "sidecar-without-image": (
@@ -356,7 +356,7 @@ def test_triton_sidecar_is_native_with_shm_and_model_repository(helm: str) -> No
     spec = pod_spec(render(helm, "gpu-sidecar"), "worker")
     (triton,) = spec["initContainers"]
     assert triton["restartPolicy"] == "Always"
-    assert triton["image"] == "nvcr.io/nvidia/tritonserver:24.08-vllm-python-py3"
+    assert triton["image"] == "nvcr.io/nvidia/tritonserver:25.01-vllm-python-py3"
     assert triton["args"][:5] == [
         "tritonserver",
         "--model-repository=/models",

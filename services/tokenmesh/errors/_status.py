@@ -28,7 +28,7 @@ def from_rpc_error(error: grpc.aio.AioRpcError | _Call) -> MeshError:
     from ``ErrorInfo``, ``field_violations`` from ``BadRequest``,
     ``retry_delay`` from ``RetryInfo`` (decoded as google-api-core does; a
     status without details has ``domain`` ""). Codes with no class of their
-    own (UNKNOWN, ABORTED, DATA_LOSS...) become :class:`Internal` with the
+    own (UNKNOWN, DATA_LOSS...) become :class:`Internal` with the
     code's name in the message. Raise it ``from`` the gRPC error so the
     original stays in the traceback.
     """

@@ -224,6 +224,13 @@ class Unimplemented(MeshError):
     http_status = 501
 
 
+class Aborted(MeshError):
+    """The generation stopped where the mesh cannot continue it exactly; the caller retries it whole."""
+
+    grpc_code = grpc.StatusCode.ABORTED
+    http_status = 409
+
+
 ERRORS: tuple[type[MeshError], ...] = (
     InvalidArgument,
     NotFound,
@@ -237,6 +244,7 @@ ERRORS: tuple[type[MeshError], ...] = (
     PermissionDenied,
     Unauthenticated,
     Unimplemented,
+    Aborted,
 )
 """Every error class; each gRPC code belongs to at most one."""
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from tokenmesh.errors import Aborted
 from tokenmesh.router._cancels import WorkerCancels
 from tokenmesh.router._config import RouterConfig
 from tokenmesh.router._generation import Caller, Progress
@@ -22,6 +23,9 @@ from tokenmesh.router._pool import WorkerEntry
 from tokenmesh.router._transport import WorkerStream, WorkerTransports, stop
 from tokenmesh.v1 import inference_pb2, worker_pb2
 
+STRUCTURED_NOT_CONTINUED = "STRUCTURED_NOT_CONTINUED"
+"""The reason of the Aborted a structured generation ends with when its worker failed mid-output."""
+
 
 def continuation(base: inference_pb2.GenerateRequest, progress: Progress) -> inference_pb2.GenerateRequest | None:
     """The request that continues base after what progress delivered (None: nothing left to generate).
@@ -29,12 +33,23 @@ def continuation(base: inference_pb2.GenerateRequest, progress: Progress) -> inf
     A raw prompt is extended by the delivered text; a chat gets it as (the end
     of) a trailing assistant message, which the model continues. The seed and
     every other setting stay; max_tokens shrinks by what was delivered.
+
+    A generation with a structured_output is not continued once text was delivered: the engine would start its
+    format again after that text (a second JSON object after half of one), so it ends with Aborted instead.
     """
     if progress.seq == 0:
         return base
     remaining = base.max_tokens - progress.tokens
     if remaining <= 0:
         return None
+    if base.HasField("structured_output"):
+        raise Aborted(
+            f"the worker running generation {base.request_id!r} failed after {progress.seq} chunks, and a "
+            "generation with a structured_output is not continued on another worker (its format would start "
+            "again mid-output): send the request again",
+            reason=STRUCTURED_NOT_CONTINUED,
+            metadata={"delivered_chunks": str(progress.seq)},
+        )
     forward = inference_pb2.GenerateRequest()
     forward.CopyFrom(base)
     forward.max_tokens = remaining

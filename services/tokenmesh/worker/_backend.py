@@ -10,6 +10,7 @@ import abc
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmesh.v1 import worker_pb2
 
@@ -41,6 +42,9 @@ class ModelSpec:
     adapters: tuple[str, ...] = ()
     """LoRA adapters the model's repository declares, each served as the model ``<name>:<adapter>`` (the engine
     loads one on demand when it keeps fewer loaded: :class:`AdapterState`)."""
+    flags: tuple[str, ...] = ()
+    """The vLLM backend's ``return_*`` inputs the model declares (finish reason, token counts): each is sent true
+    on every request, or that backend reports usage 0 and every end as ``stop``."""
 
     def adapter_model(self, adapter: str) -> str:
         """The model name a request uses for one of this model's adapters."""
@@ -64,6 +68,18 @@ class GenerationParams:
     seed: int | None = None
     ignore_eos: bool = False
     """Generate until max_tokens or a stop sequence, past end-of-text."""
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs."""
+    structured: dict[str, Any] | None = None
+    """The output's format as vLLM's structured-output parameters (``json``, ``json_object``, ``choice`` or
+    ``grammar``); None for free text."""
+    flags: tuple[str, ...] = ()
+    """Boolean inputs the model declares that are sent true (:attr:`ModelSpec.flags`)."""
     request_id: str = ""
     timeout_s: float | None = None
     """Time left before the caller's deadline."""

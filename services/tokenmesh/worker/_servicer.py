@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -61,6 +62,18 @@ def _start_command(first: worker_pb2.WorkerCommand | None) -> worker_pb2.WorkerC
     return first
 
 
+def structured(output: inference_pb2.StructuredOutput) -> dict[str, Any]:
+    """A request's format as vLLM's structured-output parameters (the tensor contract's ``guided_decoding``)."""
+    kind = output.WhichOneof("format")
+    if kind == "json_schema":
+        return {"json": json.loads(output.json_schema)}  # checked at the router (validation.json_schema)
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "choice":
+        return {"choice": list(output.choice.options)}
+    return {"grammar": output.grammar}
+
+
 def generation_params(
     first: worker_pb2.WorkerCommand,
     target: Target,
@@ -89,6 +102,14 @@ def generation_params(
         stop=tuple(req.stop),
         seed=req.seed if req.HasField("seed") else None,
         ignore_eos=req.ignore_eos,
+        top_k=req.top_k if req.HasField("top_k") else None,
+        min_p=req.min_p if req.HasField("min_p") else None,
+        presence_penalty=req.presence_penalty if req.HasField("presence_penalty") else None,
+        frequency_penalty=req.frequency_penalty if req.HasField("frequency_penalty") else None,
+        repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else None,
+        logit_bias=tuple(sorted(req.logit_bias.items())),
+        structured=structured(req.structured_output) if req.HasField("structured_output") else None,
+        flags=spec.flags,
         request_id=req.request_id,
         timeout_s=first.timeout_s if first.HasField("timeout_s") else time_remaining,
         labels=dict(req.labels),

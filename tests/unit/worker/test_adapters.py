@@ -6,50 +6,17 @@ load and a real generation with an adapter are tests/integration/test_lora.py's.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 import threading
-import types
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from tokenmesh.worker import AdapterState, GenerationParams, ModelSpec, parse_adapters
 from tokenmesh.worker._servicer import loaded_adapters, model_infos
-from tokenmesh.worker.triton import SHIPPED_REPOSITORIES, build_request, decode_first
-
-
-class _ModelException(Exception):
-    pass
-
-
-def _stand_in() -> types.ModuleType:
-    """What the SmolLM2 model.py uses of triton_python_backend_utils at import and in _request_body."""
-    module = types.ModuleType("triton_python_backend_utils")
-    module.TritonModelException = _ModelException  # type: ignore[attr-defined]
-
-    def get_input_tensor_by_name(request: dict[str, str], name: str) -> Any:
-        value = request.get(name)
-        return None if value is None else types.SimpleNamespace(as_numpy=lambda: np.array([value.encode()]))
-
-    module.get_input_tensor_by_name = get_input_tensor_by_name  # type: ignore[attr-defined]
-    return module
-
-
-@pytest.fixture
-def smollm2(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The shipped SmolLM2 model.py as a module."""
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in())
-    path = SHIPPED_REPOSITORIES["smollm2"] / "smollm2" / "1" / "model.py"
-    spec = importlib.util.spec_from_file_location("smollm2_model_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tokenmesh.worker.triton import build_request, decode_first
 
 
 def test_parse_adapters_reads_the_names_in_order() -> None:
@@ -118,7 +85,9 @@ def test_max_loras_is_a_positive_integer_and_defaults_to_every_declared_adapter(
     assert smollm2._max_loras("", 3) == 3
     assert smollm2._max_loras(" 2 ", 3) == 2
     for bad in ("0", "-1", "two", "1.5"):
-        with pytest.raises(_ModelException, match=rf"max_loras: '{re.escape(bad)}' is not a positive integer"):
+        with pytest.raises(
+            smollm2.pb_utils.TritonModelException, match=rf"max_loras: '{re.escape(bad)}' is not a positive integer"
+        ):
             smollm2._max_loras(bad, 3)
 
 
@@ -218,11 +187,11 @@ def test_the_model_resolves_adapter_paths_against_its_folder_and_names_what_is_w
         ("terse", str(elsewhere)),
     ]
     assert smollm2._adapters("", str(tmp_path)) == []
-    with pytest.raises(_ModelException, match=r"'gone': no file .*gone\.gguf"):
+    with pytest.raises(smollm2.pb_utils.TritonModelException, match=r"'gone': no file .*gone\.gguf"):
         smollm2._adapters("gone=gone.gguf", str(tmp_path))
-    with pytest.raises(_ModelException, match=r"'a:b=adapters/demo\.gguf' is not name=path"):
+    with pytest.raises(smollm2.pb_utils.TritonModelException, match=r"'a:b=adapters/demo\.gguf' is not name=path"):
         smollm2._adapters("a:b=adapters/demo.gguf", str(tmp_path))
-    with pytest.raises(_ModelException, match=r"'demo' is named twice"):
+    with pytest.raises(smollm2.pb_utils.TritonModelException, match=r"'demo' is named twice"):
         smollm2._adapters("demo=adapters/demo.gguf,demo=adapters/demo.gguf", str(tmp_path))
 
 

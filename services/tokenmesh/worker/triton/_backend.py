@@ -37,6 +37,10 @@ READY_POLL_S = 0.25
 """How often start asks Triton whether its models are READY."""
 EXPLICIT_LOADS_REFUSED = "explicit model load / unload is not allowed"
 """Triton's answer to load_model unless it runs with --model-control-mode=explicit."""
+USAGE_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+"""The vLLM backend's optional inputs that make it send finish_reason and the token counts (Triton 24.12 on):
+sent true to a model that declares them, or its usage is 0 and every generation ends ``stop``."""
+
 TRITON_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 """Our own channel to Triton (generations, statistics): messages of any size, as tritonclient allows."""
 
@@ -174,9 +178,18 @@ class TritonBackend(Backend):
             slots = int(parameters.get("n_parallel") or self.config.default_slots)
             n_ctx = parameters.get("n_ctx")
             max_context = int(n_ctx) // slots if n_ctx else self.config.default_max_context
-            chat = any(i.get("name") == "messages" for i in config.get("input", []))
+            inputs = {i.get("name") for i in config.get("input", [])}
             adapters = parse_adapters(parameters.get("lora_adapters", ""))
-            specs.append(ModelSpec(name=name, max_context=max_context, slots=slots, chat=chat, adapters=adapters))
+            specs.append(
+                ModelSpec(
+                    name=name,
+                    max_context=max_context,
+                    slots=slots,
+                    chat="messages" in inputs,
+                    adapters=adapters,
+                    flags=tuple(flag for flag in USAGE_FLAGS if flag in inputs),
+                )
+            )
         return specs
 
     @property

@@ -60,6 +60,15 @@ def sampling_parameters(params: GenerationParams) -> dict[str, Any]:
         sampling["seed"] = params.seed
     if params.ignore_eos:
         sampling["ignore_eos"] = True
+    for name in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(params, name)
+        if value is not None:
+            sampling[name] = value
+    if params.logit_bias:
+        sampling["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}  # JSON keys are text
+    if params.structured is not None:
+        # A JSON string: what every vLLM backend release parses (GuidedDecodingParams, then StructuredOutputsParams).
+        sampling["guided_decoding"] = json.dumps(params.structured)
     if params.adapter:
         sampling["lora_name"] = params.adapter  # the vLLM backend's key, which our llama.cpp model reads too
     return sampling
@@ -73,6 +82,8 @@ def build_request(params: GenerationParams) -> service_pb2.ModelInferRequest:
     _add_input(request, "sampling_parameters", "BYTES", encode_bytes(json.dumps(sampling_parameters(params))))
     if params.messages:
         _add_input(request, "messages", "BYTES", encode_bytes(messages_json(params)))
+    for flag in params.flags:
+        _add_input(request, flag, "BOOL", b"\x01")
     return request
 
 

@@ -48,6 +48,8 @@ def _http_request(host: str, port: int, params: GenerationParams) -> bytes:
     }
     if params.messages:
         fields["messages"] = messages_json(params)
+    for flag in params.flags:
+        fields[flag] = True
     body = orjson.dumps(fields)
     head = [
         f"POST /v2/models/{params.model}/generate_stream HTTP/1.1",

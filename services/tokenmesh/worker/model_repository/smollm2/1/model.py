@@ -35,10 +35,50 @@ _SAMPLING_KEYS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
+    "min_p": "min_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repeat_penalty",
+    "logit_bias": "logit_bias",  # {"token id": bias}, which llama.cpp reads as OpenAI's shape
     "stop": "stop",
     "seed": "seed",
     "ignore_eos": "ignore_eos",
 }
+
+
+def _gbnf_literal(text: str) -> str:
+    """A GBNF string literal matching text exactly."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return f'"{escaped}"'
+
+
+def _constrain(body: dict[str, Any], guided: Any) -> None:
+    """Set the grammar fields of llama.cpp from vLLM's structured-output parameters (``guided_decoding``, JSON).
+
+    llama.cpp turns a JSON Schema into a grammar itself; a choice becomes a grammar of its literals. Anything
+    else (regex, a structural tag) it cannot enforce: refused, never run unconstrained.
+    """
+    spec = json.loads(guided) if isinstance(guided, str) else guided
+    if not isinstance(spec, dict):
+        raise ValueError("sampling_parameters.guided_decoding must be a JSON object")
+    given = [key for key, value in spec.items() if value not in (None, False, "", [], {})]
+    if len(given) != 1:
+        raise ValueError(f"guided_decoding must set one of json, json_object, choice, grammar; got {given}")
+    kind = given[0]
+    if kind == "json":
+        schema = spec["json"]
+        body["json_schema"] = json.loads(schema) if isinstance(schema, str) else schema
+    elif kind == "json_object":
+        body["json_schema"] = {"type": "object"}
+    elif kind == "choice":
+        body["grammar"] = "root ::= " + " | ".join(_gbnf_literal(str(option)) for option in spec["choice"])
+    elif kind == "grammar":
+        body["grammar"] = spec["grammar"]
+    else:
+        raise ValueError(
+            f"guided_decoding.{kind} is not supported by this llama.cpp model (json, json_object, "
+            "choice and grammar are)"
+        )
 
 
 def _default_gguf() -> str:
@@ -371,7 +411,7 @@ class TritonPythonModel:
             except Exception as exc:  # noqa: BLE001 - a bad request must be answered, not crash the stub
                 sender.send(
                     pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(f"bad request: {exc}", pb_utils.TritonError.INVALID_ARG)
+                        error=pb_utils.TritonError(f"invalid request: {exc}", pb_utils.TritonError.INVALID_ARG)
                     ),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
@@ -461,9 +501,13 @@ class TritonPythonModel:
 
         if state["error"] is not None:
             err = state["error"]
-            code = pb_utils.TritonError.INVALID_ARG if err.get("code") == 400 else pb_utils.TritonError.INTERNAL
+            message = str(err.get("message", err))
+            code = pb_utils.TritonError.INTERNAL
+            if err.get("code") == 400:
+                # Said so, the worker classes it as the caller's (INVALID_ARGUMENT), not as its own failure.
+                code, message = pb_utils.TritonError.INVALID_ARG, f"invalid request: {message}"
             sender.send(
-                pb_utils.InferenceResponse(error=pb_utils.TritonError(err.get("message", str(err)), code)),
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
             )
             return
@@ -490,6 +534,8 @@ def _request_body(request: Any, declared: tuple[str, ...]) -> tuple[dict[str, An
         for key, target in _SAMPLING_KEYS.items():
             if key in given and given[key] is not None:
                 body[target] = given[key]
+        if given.get("guided_decoding") is not None:
+            _constrain(body, given["guided_decoding"])
     lora_name = str(given.get("lora_name") or "")
     if lora_name and lora_name not in declared:
         known = ", ".join(declared) or "none"

@@ -1,0 +1,42 @@
+"""The shipped SmolLM2 model.py loaded as a module, for tests of its own logic (no Triton, no llama.cpp call)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
+
+
+class _ModelException(Exception):
+    pass
+
+
+def _stand_in() -> types.ModuleType:
+    """What the SmolLM2 model.py uses of triton_python_backend_utils at import and in _request_body."""
+    module = types.ModuleType("triton_python_backend_utils")
+    module.TritonModelException = _ModelException  # type: ignore[attr-defined]
+
+    def get_input_tensor_by_name(request: dict[str, str], name: str) -> Any:
+        value = request.get(name)
+        return None if value is None else types.SimpleNamespace(as_numpy=lambda: np.array([value.encode()]))
+
+    module.get_input_tensor_by_name = get_input_tensor_by_name  # type: ignore[attr-defined]
+    return module
+
+
+@pytest.fixture
+def smollm2(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The shipped SmolLM2 model.py as a module."""
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in())
+    path = SHIPPED_REPOSITORIES["smollm2"] / "smollm2" / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location("smollm2_model_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
