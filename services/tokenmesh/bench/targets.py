@@ -26,6 +26,7 @@ from tokenmesh.bench.prompts import Prompt
 from tokenmesh.client import Client
 from tokenmesh.errors import MeshError, from_rpc_error
 from tokenmesh.v1 import inference_pb2, router_pb2, router_pb2_grpc
+from tokenmesh.worker.triton._codec import USAGE_FLAGS
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -182,6 +183,10 @@ def stream_inputs(text: str, sampling: dict[str, Any], messages: Sequence[tuple[
     stream = InferInput("stream", [1], "BOOL")
     stream.set_data_from_numpy(np.array([True], dtype=bool))
     inputs = [bytes_input("text_input", text), stream, bytes_input("sampling_parameters", json.dumps(sampling))]
+    for switch in USAGE_FLAGS:  # the vLLM backend reports finish reason and token counts only when asked
+        flag = InferInput(switch, [1], "BOOL")
+        flag.set_data_from_numpy(np.array([True], dtype=bool))
+        inputs.append(flag)
     if messages:
         inputs.append(bytes_input("messages", json.dumps([{"role": r, "content": c} for r, c in messages])))
     return inputs

@@ -24,6 +24,7 @@ from tokenmesh.worker._backend import (
     ModelSpec,
     parse_adapters,
 )
+from tokenmesh.worker.triton._codec import USAGE_FLAGS
 from tokenmesh.worker.triton._generation import TritonGeneration
 from tokenmesh.worker.triton._metrics import _fetch_text, parse_metrics
 from tokenmesh.worker.triton._process import PortTaken, TritonProcess, TritonProcessConfig
@@ -37,10 +38,6 @@ READY_POLL_S = 0.25
 """How often start asks Triton whether its models are READY."""
 EXPLICIT_LOADS_REFUSED = "explicit model load / unload is not allowed"
 """Triton's answer to load_model unless it runs with --model-control-mode=explicit."""
-USAGE_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
-"""The vLLM backend's optional inputs that make it send finish_reason and the token counts (Triton 24.12 on):
-sent true to a model that declares them, or its usage is 0 and every generation ends ``stop``."""
-
 TRITON_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 """Our own channel to Triton (generations, statistics): messages of any size, as tritonclient allows."""
 

@@ -15,6 +15,10 @@ from tritonclient.grpc import service_pb2
 
 from tokenmesh.worker._backend import Delta, Finished, GenerationParams
 
+USAGE_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+"""The vLLM backend's optional inputs that make it send finish_reason and the token counts (Triton 24.12 on):
+sent true to a model that declares them, or its usage is 0 and every generation ends ``stop``."""
+
 
 def _add_input(request: service_pb2.ModelInferRequest, name: str, datatype: str, raw: bytes) -> None:
     request.inputs.add(name=name, datatype=datatype, shape=[1])

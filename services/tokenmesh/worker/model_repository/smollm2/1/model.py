@@ -394,6 +394,7 @@ class TritonPythonModel:
             return xllamacpp.Server(p)
 
         self._declared = tuple(adapters)
+        self._outputs = _Outputs(config)
         self._engines = _Engines(build, self._declared, max_loras, _AdapterMetrics(args["model_name"], self._declared))
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
@@ -404,7 +405,7 @@ class TritonPythonModel:
         for request in requests:
             # Inputs are read here, on Triton's thread: the request's tensors
             # are not safe to read from another thread once execute returns.
-            sender = request.get_response_sender()
+            sender = _Sender(request.get_response_sender(), self._outputs.asked(request))
             try:
                 body, chat, adapter = _request_body(request, self._declared)
                 streaming = _input_bool(request, "stream", default=True)
@@ -451,7 +452,7 @@ class TritonPythonModel:
             finally:
                 self._engines.release(engine)
         except _Cancelled:
-            sender.send(_response("", "cancelled", 0, 0, 0), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            sender.reply("", "cancelled", 0, 0, 0, final=True)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the client
             sender.send(
                 pb_utils.InferenceResponse(error=pb_utils.TritonError(f"model error: {exc}")),
@@ -484,7 +485,7 @@ class TritonPythonModel:
                 text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                 if text:
                     if streaming:
-                        sender.send(_response(text, "", 0, 1))
+                        sender.reply(text, "", 0, 1)
                     else:
                         state["pieces"].append(text)
                 if choice.get("finish_reason"):
@@ -512,10 +513,10 @@ class TritonPythonModel:
             )
             return
         text = "".join(state["pieces"])
-        final = _response(
-            text, state["finish"] or "stop", state["prompt_tokens"], state["completion_tokens"], state["cached_tokens"]
+        finish = state["finish"] or "stop"
+        sender.reply(
+            text, finish, state["prompt_tokens"], state["completion_tokens"], state["cached_tokens"], final=True
         )
-        sender.send(final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 def _request_body(request: Any, declared: tuple[str, ...]) -> tuple[dict[str, Any], bool, str]:
@@ -575,14 +576,60 @@ def _cached_tokens(event: dict[str, Any]) -> int:
     return int((event.get("timings") or {}).get("cache_n") or 0)
 
 
-def _response(text: str, finish: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = -1) -> Any:
-    """One response; ``num_cached_tokens`` on the final one only (cached_tokens >= 0), as the usage it is part of."""
-    tensors = [
-        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-        pb_utils.Tensor("finish_reason", np.array([finish.encode("utf-8")], dtype=np.object_)),
-        pb_utils.Tensor("num_input_tokens", np.array([prompt_tokens], dtype=np.uint32)),
-        pb_utils.Tensor("num_output_tokens", np.array([completion_tokens], dtype=np.uint32)),
-    ]
-    if cached_tokens >= 0:
-        tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([cached_tokens], dtype=np.uint32)))
-    return pb_utils.InferenceResponse(output_tensors=tensors)
+USAGE_SWITCHES = {
+    "return_finish_reason": "finish_reason",
+    "return_num_input_tokens": "num_input_tokens",
+    "return_num_output_tokens": "num_output_tokens",
+}
+"""The vLLM backend's switches and the output each turns on (off unless the request sets it)."""
+
+
+class _Outputs:
+    """Which outputs a request gets, as the vLLM backend decides: a declared switch turns its output on.
+
+    An output whose switch the configuration does not declare is always sent (tokenmesh's older configuration),
+    and ``num_cached_tokens`` only where the configuration declares it (the stock vLLM contract has none).
+    """
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        inputs = {i["name"] for i in config.get("input", [])}
+        outputs = {o["name"] for o in config.get("output", [])}
+        self.switches = {switch: output for switch, output in USAGE_SWITCHES.items() if switch in inputs}
+        self.always = frozenset({"text_output"} | set(USAGE_SWITCHES.values()) - set(self.switches.values()))
+        self.cached = "num_cached_tokens" in outputs
+
+    def asked(self, request: Any) -> frozenset[str]:
+        """The outputs this request gets."""
+        on = {output for switch, output in self.switches.items() if _input_bool(request, switch, default=False)}
+        return self.always | on | ({"num_cached_tokens"} if self.cached else set())
+
+
+class _Sender:
+    """A request's response sender that writes only the outputs the request gets."""
+
+    def __init__(self, sender: Any, outputs: frozenset[str]) -> None:
+        self.sender, self.outputs = sender, outputs
+
+    def is_cancelled(self) -> bool:
+        """Whether the caller went away."""
+        return bool(self.sender.is_cancelled())
+
+    def send(self, response: Any, flags: int = 0) -> None:
+        """Send a response as is (an error)."""
+        self.sender.send(response, flags=flags)
+
+    def reply(
+        self, text: str, finish: str, prompt: int, completion: int, cached: int = -1, *, final: bool = False
+    ) -> None:
+        """One response; the usage figures and ``num_cached_tokens`` (final only) where the request gets them."""
+        values = {
+            "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+            "finish_reason": np.array([finish.encode("utf-8")], dtype=np.object_),
+            "num_input_tokens": np.array([prompt], dtype=np.uint32),
+            "num_output_tokens": np.array([completion], dtype=np.uint32),
+        }
+        if final and cached >= 0:
+            values["num_cached_tokens"] = np.array([cached], dtype=np.uint32)
+        tensors = [pb_utils.Tensor(name, value) for name, value in values.items() if name in self.outputs]
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)

@@ -1,0 +1,1 @@
+../../../../services/tokenmesh/worker/model_repository/smollm2/1/model.py
