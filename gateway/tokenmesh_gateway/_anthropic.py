@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmesh.v1 import inference_pb2
-from tokenmesh_gateway import _session
+from tokenmesh_gateway import _session, _steering
 from tokenmesh_gateway._errors import invalid
 from tokenmesh_gateway._fields import UINT32_MAX, boolean, is_neutral, number, short, string, type_name
 
@@ -34,11 +34,9 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, {"type": "auto"}, {"type": "none"}),
     "thinking": (None, {"type": "disabled"}),
-    "top_k": (None,),  # the mesh samples with temperature and top_p only
     "mcp_servers": (None, []),
     "container": (None,),
     "context_management": (None,),
-    "output_format": (None,),
     "output_config": (None, {}),
 }
 
@@ -65,6 +63,8 @@ def parse(body: dict[str, Any], default_model: str = "") -> MessagesRequest:
     _messages(body, request)
     request.max_tokens = _max_tokens(body)
     _sampling(body, request)
+    _steering.sampling(body, request, penalties=False)  # Anthropic's top_k; it has no penalties
+    _steering.response_format(body.get("output_format"), "output_format", request)
     request.ignore_eos = boolean(body, "ignore_eos")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):

@@ -1,8 +1,10 @@
 """OpenAI request bodies → ``tokenmesh.v1.GenerateRequest``, checked field by field.
 
-Fields are taken as vLLM's OpenAI server takes them. A field that would
-change the answer and that the mesh cannot honour (``n`` > 1, logprobs,
-tools, response formats, penalties...) is refused with a 400 naming it in
+Fields are taken as vLLM's OpenAI server takes them: the sampling
+extensions, ``logit_bias``, ``response_format`` and vLLM's ``guided_*``
+through ``_steering``, as every dialect. A field that would change the
+answer and that the mesh cannot honour (``n`` > 1, logprobs, tools,
+``guided_regex``...) is refused with a 400 naming it in
 ``param``, never silently dropped; its neutral values (``n: 1``,
 ``logprobs: false``, ``tools: []``...) are accepted, as SDKs send them.
 Fields nobody here knows are ignored, as vLLM ignores them (SDKs add
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokenmesh.v1 import inference_pb2
-from tokenmesh_gateway import _session
+from tokenmesh_gateway import _session, _steering
 from tokenmesh_gateway._errors import invalid
 from tokenmesh_gateway._fields import (
     UINT32_MAX,
@@ -47,22 +49,12 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
     "echo": (None, False),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "top_k": (None, 0, -1),
-    "min_p": (None, 0),
     "min_tokens": (None, 0),
     "stop_token_ids": (None, []),
     "bad_words": (None, []),
-    "guided_json": (None,),
     "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "structured_outputs": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -90,6 +82,9 @@ def parse(body: dict[str, Any], kind: Kind, default_model: str = "") -> Parsed:
     _input(body, kind, request)
     _limits(body, request)
     _sampling(body, request)
+    _steering.sampling(body, request)
+    _steering.response_format(body.get("response_format"), "response_format", request)
+    _steering.guided(body, request)
     _session.from_body(body, request, "prompt_cache_key", "user")
     stream = boolean(body, "stream")
     include_usage, continuous = _stream_options(body, stream)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmesh.v1 import inference_pb2
-from tokenmesh_gateway import _session
+from tokenmesh_gateway import _session, _steering
 from tokenmesh_gateway._errors import invalid
 from tokenmesh_gateway._fields import UINT32_MAX, boolean, integer, is_neutral, number, short, string, type_name
 from tokenmesh_gateway._openai import ROLES
@@ -41,7 +41,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "prompt": (None,),
     "n": (None, 1),
     "top_logprobs": (None, 0),
-    "text": (None, {}, {"format": {"type": "text"}}),
     "truncation": (None, "disabled"),
     "stream_options": (None, {}, {"include_obfuscation": False}, {"include_obfuscation": True}),
 }
@@ -63,6 +62,8 @@ class Echo:
     top_p: float | None = None
     store: bool = True
     background: bool = False
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
+    """The caller's ``text.format`` (the output's format), repeated as given."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,7 @@ def parse(body: dict[str, Any], default_model: str = "") -> ResponsesRequest:
     if top_p is not None:
         request.top_p = top_p
     request.ignore_eos = boolean(body, "ignore_eos")
+    text_format = _text_format(body.get("text"), request)
     user = string(body, "safety_identifier") or string(body, "user")
     if user:
         request.labels["user"] = user
@@ -115,8 +117,25 @@ def parse(body: dict[str, Any], default_model: str = "") -> ResponsesRequest:
         top_p,
         store is not False,
         background,
+        text_format,
     )
     return ResponsesRequest(request, boolean(body, "stream"), echo)
+
+
+def _text_format(text: Any, request: inference_pb2.GenerateRequest) -> dict[str, Any]:
+    """``text.format``, Responses' flat shape of the output's format, into the request; the format to repeat."""
+    if text is None:
+        return {"type": "text"}
+    if not isinstance(text, dict):
+        raise invalid(f"text must be an object with a format, got {type_name(text)}", "text")
+    for key in text:
+        if key != "format" and text[key] is not None:
+            raise invalid(
+                f"text.{key} is not supported by tokenmesh (got {short(text[key])}); leave it out", f"text.{key}"
+            )
+    value = text.get("format")
+    _steering.response_format(value, "text.format", request)
+    return value if isinstance(value, dict) else {"type": "text"}
 
 
 def _input(value: Any, request: inference_pb2.GenerateRequest) -> None:

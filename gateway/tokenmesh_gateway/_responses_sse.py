@@ -126,7 +126,7 @@ def response_object(head: Head, outcome: Outcome) -> dict[str, Any]:
         "previous_response_id": None,
         "store": echo.store,
         "temperature": echo.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": echo.text_format},
         "tool_choice": "none",
         "tools": [],
         "top_p": echo.top_p,

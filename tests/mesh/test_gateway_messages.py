@@ -186,7 +186,7 @@ async def test_requests_the_mesh_cannot_honour_are_bad_requests_naming_the_field
             ({"max_tokens": 0, "messages": USER}, "max_tokens"),
             ({"max_tokens": 5, "messages": USER, "tools": [{"name": "f", "input_schema": {}}]}, "tools"),
             ({"max_tokens": 5, "messages": USER, "tool_choice": {"type": "any"}}, "tool_choice"),
-            ({"max_tokens": 5, "messages": USER, "top_k": 5}, "top_k"),
+            ({"max_tokens": 5, "messages": USER, "top_k": -5}, "top_k"),
             ({"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
             ({"max_tokens": 5, "messages": USER, "temperature": 1.5}, "temperature"),
             ({"max_tokens": 5, "messages": USER, "metadata": {"tenant": "x"}}, "metadata.tenant"),

@@ -83,7 +83,7 @@ def test_a_messages_body_becomes_the_mesh_request() -> None:
     [
         ({"max_tokens": None}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),
-        ({"top_k": 1}, "top_k"),
+        ({"top_k": "many"}, "top_k"),
         ({"system": [{"type": "image"}]}, "system[0]"),
         ({"stream": "yes"}, "stream"),
         ({"stop_sequences": "END"}, "stop_sequences"),

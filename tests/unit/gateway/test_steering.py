@@ -1,0 +1,117 @@
+"""The steering fields each dialect takes, read into the one GenerateRequest contract (``_steering``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tokenmesh.v1 import inference_pb2
+from tokenmesh_gateway import HttpError, _anthropic, _openai, _responses
+
+USER = [{"role": "user", "content": "hi"}]
+SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+
+
+def chat(**fields: Any) -> inference_pb2.GenerateRequest:
+    return _openai.parse({"messages": USER, **fields}, "chat").request
+
+
+def test_the_sampling_extensions_and_logit_bias_are_taken_as_vllm_takes_them() -> None:
+    request = chat(
+        top_k=40,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        logit_bias={"42": -100, "7": 3},
+    )
+    assert (request.top_k, request.presence_penalty, request.frequency_penalty) == (40, 0.5, -0.5)
+    assert request.min_p == pytest.approx(0.05) and request.repetition_penalty == pytest.approx(1.2)
+    assert dict(request.logit_bias) == {42: -100.0, 7: 3.0}
+    for every in (-1, 0):  # vLLM's "every token"
+        assert not chat(top_k=every).HasField("top_k")
+    assert not chat().HasField("min_p") and not chat().logit_bias
+
+
+@pytest.mark.parametrize(
+    ("response_format", "format_kind", "value"),
+    [
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}},
+            "json_schema",
+            SCHEMA,
+        ),
+        ({"type": "json_object"}, "json_object", None),
+        ({"type": "text"}, None, None),
+    ],
+)
+def test_response_format_becomes_the_structured_output(response_format: Any, format_kind: Any, value: Any) -> None:
+    for kind, body in (("chat", {"messages": USER}), ("completion", {"prompt": "x"})):
+        request = _openai.parse({**body, "response_format": response_format}, kind).request  # type: ignore[arg-type]
+        assert request.structured_output.WhichOneof("format") == format_kind
+        if value is not None:
+            assert json.loads(request.structured_output.json_schema) == value
+
+
+def test_vllms_guided_fields_are_one_format_each() -> None:
+    assert json.loads(chat(guided_json=SCHEMA).structured_output.json_schema) == SCHEMA
+    assert json.loads(chat(guided_json=json.dumps(SCHEMA)).structured_output.json_schema) == SCHEMA
+    assert list(chat(guided_choice=["yes", "no"]).structured_output.choice.options) == ["yes", "no"]
+    assert chat(guided_grammar='root ::= "a"').structured_output.grammar == 'root ::= "a"'
+    with pytest.raises(HttpError, match="set one output format, not response_format and guided_json") as two:
+        chat(response_format={"type": "json_object"}, guided_json=SCHEMA)
+    assert two.value.param == "guided_json"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"response_format": "json"}, "response_format", "must be an object"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+            "the JSON Schema",
+        ),
+        ({"logit_bias": [1, 2]}, "logit_bias", "an object of token id"),
+        ({"logit_bias": {"-3": 1}}, "logit_bias", "whole numbers"),
+        ({"logit_bias": {"3": "ban"}}, "logit_bias[3]", "must be a number"),
+        ({"top_k": 1.5}, "top_k", "integer"),
+        ({"top_k": -2}, "top_k", ">= 1"),
+        ({"guided_choice": "yes"}, "guided_choice", "list of strings"),
+        ({"guided_grammar": 3}, "guided_grammar", "GBNF grammar"),
+    ],
+)
+def test_a_bad_shape_is_a_400_naming_the_field(fields: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(HttpError, match=words) as refused:
+        chat(**fields)
+    assert (refused.value.status, refused.value.param) == (400, param)
+
+
+def test_responses_text_format_is_the_flat_shape_and_messages_take_top_k() -> None:
+    flat = {"type": "json_schema", "name": "x", "schema": SCHEMA, "strict": True}
+    request = _responses.parse({"input": "hi", "text": {"format": flat}}).request
+    assert json.loads(request.structured_output.json_schema) == SCHEMA
+    assert _responses.parse({"input": "hi", "text": {"format": {"type": "json_object"}}}).request.HasField(
+        "structured_output"
+    )
+    assert not _responses.parse({"input": "hi", "text": {"format": {"type": "text"}}}).request.HasField(
+        "structured_output"
+    )
+    assert _anthropic.parse({"messages": USER, "max_tokens": 4, "top_k": 5}).request.top_k == 5
+
+
+def test_a_schema_that_is_none_is_refused_naming_the_callers_own_field() -> None:
+    bad = {"type": "nonsense"}
+    with pytest.raises(HttpError, match=r"response_format.json_schema.schema is not a valid JSON Schema") as openai:
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad}})
+    assert openai.value.param == "response_format.json_schema.schema"
+    with pytest.raises(HttpError, match="only local references") as responses:
+        _responses.parse(
+            {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "http://x/s"}}}}
+        )
+    assert responses.value.param == "text.format.schema"
+    with pytest.raises(HttpError) as guided:
+        chat(guided_json=bad)
+    assert guided.value.param == "guided_json"
