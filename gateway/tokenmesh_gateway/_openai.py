@@ -42,8 +42,6 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "logprobs": (None, False),  # chat: a bool; completions: a count (0 still asks for one)
-    "top_logprobs": (None, 0),
     "prompt_logprobs": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -83,6 +81,7 @@ def parse(body: dict[str, Any], kind: Kind, default_model: str = "") -> Parsed:
     _limits(body, request)
     _sampling(body, request)
     _steering.sampling(body, request)
+    _logprobs(body, kind, request)
     _steering.response_format(body.get("response_format"), "response_format", request)
     _steering.guided(body, request)
     _session.from_body(body, request, "prompt_cache_key", "user")
@@ -142,6 +141,27 @@ def _sampling(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> N
     user = string(body, "user")
     if user:
         request.labels["user"] = user
+
+
+def _logprobs(body: dict[str, Any], kind: Kind, request: inference_pb2.GenerateRequest) -> None:
+    """Chat's ``logprobs`` (true/false) and ``top_logprobs``; completions' ``logprobs`` (a count of alternatives)."""
+    if kind == "chat":
+        request.logprobs = boolean(body, "logprobs")
+        top = integer(body, "top_logprobs")
+        if top is not None:
+            if not 0 <= top <= UINT32_MAX:
+                raise invalid(f"top_logprobs must be 0..20, got {top}", "top_logprobs")
+            if top and not request.logprobs:
+                raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+            request.top_logprobs = top
+        return
+    if "top_logprobs" in body and body["top_logprobs"] not in (None, 0):
+        raise invalid("top_logprobs belongs to /v1/chat/completions; here logprobs is the count", "top_logprobs")
+    count = integer(body, "logprobs")
+    if count is not None:
+        if not 0 <= count <= UINT32_MAX:
+            raise invalid(f"logprobs must be 0..20 (alternatives per token), got {count}", "logprobs")
+        request.logprobs, request.top_logprobs = True, count
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:

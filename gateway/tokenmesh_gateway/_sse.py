@@ -22,6 +22,7 @@ nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,15 +104,7 @@ class OpenAIAnswer:
 
     def whole(self, request_id: str, text: str, last: inference_pb2.GenerateChunk) -> bytes:
         """The ``chat.completion`` or ``text_completion`` body."""
-        return completion_body(
-            self.kind,
-            request_id,
-            self.created,
-            last.model or self.model,
-            text,
-            last.finish_reason,
-            last.usage,
-        )
+        return completion_body(self.kind, request_id, self.created, last.model or self.model, text, last)
 
     def error_event(self, error: HttpError) -> bytes:
         """``data: {"error": {...}}``, then ``[DONE]``."""
@@ -162,6 +155,8 @@ class Encoder:
         # '{"id":...,"model":"m"' without the closing brace: each event appends its own fields.
         self._head = b"data: " + orjson.dumps(head)[:-1]
         self._first = True
+        self._offset = 0
+        """Characters of text sent so far (completions' logprobs ``text_offset``)."""
         self._id_line = b"id: " + orjson.dumps(request_id)[1:-1] + b":"
         # Most events: a text delta, not the first, not the last, no usage. All of it but the text is fixed.
         opening = b'{"index":0,"delta":{"content":' if kind == "chat" else b'{"index":0,"text":'
@@ -177,7 +172,11 @@ class Encoder:
         """Every event built from one chunk of the mesh, the id on the last."""
         self.completion_tokens += chunk.token_count
         final = bool(chunk.finish_reason)
-        if not (final or self._first or self.continuous_usage):
+        logprobs = b"null"
+        if chunk.logprobs:
+            logprobs = orjson.dumps(logprobs_json(self.kind, chunk.logprobs, self._offset))
+        self._offset += len(chunk.text)
+        if not (final or self._first or self.continuous_usage or chunk.logprobs):
             return (
                 self._id_line + str(chunk.seq).encode() + self._text_head + orjson.dumps(chunk.text) + self._text_tail
             )
@@ -191,9 +190,12 @@ class Encoder:
                 parts.append(b'"role":"assistant"')
             if chunk.text or self._first:
                 parts.append(b'"content":' + text)
-            choice = b'{"index":0,"delta":{' + b",".join(parts) + b'},"logprobs":null,"finish_reason":' + reason + b"}"
+            choice = (
+                b'{"index":0,"delta":{' + b",".join(parts) + b'},"logprobs":' + logprobs + b',"finish_reason":' + reason
+            )
         else:
-            choice = b'{"index":0,"text":' + text + b',"logprobs":null,"finish_reason":' + reason + b"}"
+            choice = b'{"index":0,"text":' + text + b',"logprobs":' + logprobs + b',"finish_reason":' + reason
+        choice += b"}"
         self._first = False
         tail = b""
         if self.continuous_usage:
@@ -217,32 +219,61 @@ class Encoder:
         return self._id_line + str(seq).encode() + b"\n"
 
 
+def logprobs_json(kind: Kind, tokens: Iterable[inference_pb2.TokenLogprob], offset: int) -> dict[str, Any]:
+    """A choice's ``logprobs`` in OpenAI's shape: chat's ``content`` list, or completions' columns.
+
+    offset is where the tokens' text starts in the completion (completions' ``text_offset``).
+    """
+    if kind == "chat":
+        return {
+            "content": [
+                {
+                    "token": t.token,
+                    "logprob": t.logprob,
+                    "bytes": list(t.bytes),
+                    "top_logprobs": [
+                        {"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)} for a in t.top_logprobs
+                    ],
+                }
+                for t in tokens
+            ],
+            "refusal": None,
+        }
+    columns: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        columns["tokens"].append(t.token)
+        columns["token_logprobs"].append(t.logprob)
+        columns["top_logprobs"].append({a.token: a.logprob for a in t.top_logprobs})
+        columns["text_offset"].append(offset)
+        offset += len(t.token)
+    return columns
+
+
 def error_event(error: HttpError) -> bytes:
     """An error after the stream began: ``data: {"error": {...}}``, then the end."""
     return b"data: " + error.body() + b"\n\n" + DONE
 
 
-def completion_body(  # wide: the body's fields, keyword-only
-    kind: Kind,
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: int,
-    counts: inference_pb2.Usage,
+def completion_body(
+    kind: Kind, request_id: str, created: int, model: str, text: str, last: inference_pb2.GenerateChunk
 ) -> bytes:
-    """The non-streamed response: ``chat.completion`` or ``text_completion`` with its usage."""
-    reason = FINISH_REASONS.get(finish_reason, "stop")
+    """The non-streamed response: ``chat.completion`` or ``text_completion`` with its usage.
+
+    last is the final chunk; with logprobs it carries every token's (the exchange gathers them there).
+    """
+    reason = FINISH_REASONS.get(last.finish_reason, "stop")
+    counts = last.usage
+    logprobs = logprobs_json(kind, last.logprobs, 0) if last.logprobs else None
     choice: dict[str, Any]
     if kind == "chat":
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": reason,
         }
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
     return orjson.dumps(
         {
             "id": response_id(kind, request_id),

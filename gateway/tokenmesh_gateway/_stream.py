@@ -230,11 +230,13 @@ class Exchanges:
         exchange: Exchange, first: inference_pb2.GenerateChunk, chunks: Chunks, answer: Answer, send: Send
     ) -> None:
         texts = [first.text]
+        logprobs = list(first.logprobs)
         last = first
         try:
             if not first.finish_reason:
                 async for chunk in chunks:
                     texts.append(chunk.text)
+                    logprobs.extend(chunk.logprobs)
                     last = chunk
                     if chunk.finish_reason:
                         break
@@ -247,6 +249,9 @@ class Exchanges:
         try:
             if last.finish_reason in (inference_pb2.FINISH_REASON_UNSPECIFIED, inference_pb2.FINISH_REASON_ERROR):
                 raise HttpError(500, f"generation {request_id} failed", code="internal")
+            if logprobs and last is not first:  # the final chunk carries every token's for the whole answer
+                last.ClearField("logprobs")
+                last.logprobs.extend(logprobs)
             body = answer.whole(request_id, "".join(texts), last)
         except HttpError as error:
             await respond_error(send, error, answer.errors)

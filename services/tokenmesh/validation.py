@@ -30,6 +30,8 @@ MAX_LOGIT_BIAS = 300
 """Tokens a request may bias (OpenAI's bound)."""
 MAX_FORMAT_BYTES = 64 * 1024
 """The largest JSON Schema or grammar: each is compiled by the engine for the request."""
+MAX_TOP_LOGPROBS = 20
+"""Alternatives per position a request may ask for (OpenAI's bound; vLLM's default max_logprobs is 20)."""
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
 
@@ -119,6 +121,12 @@ def check_sampling(request: inference_pb2.GenerateRequest) -> None:
             raise InvalidArgument(
                 f"logit_bias[{token}] must be in [-100, 100], got {bias:g}", field=f"logit_bias[{token}]"
             )
+    if request.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(
+            f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {request.top_logprobs}", field="top_logprobs"
+        )
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidArgument("top_logprobs needs logprobs: set logprobs too", field="top_logprobs")
     if request.HasField("structured_output"):
         check_structured_output(request.structured_output)
 

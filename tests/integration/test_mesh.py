@@ -284,3 +284,29 @@ def test_a_format_the_engine_cannot_compile_is_the_callers_error_and_blames_no_w
     assert engine.value.code() == grpc.StatusCode.INVALID_ARGUMENT, engine.value.details()
     assert "failed to parse grammar" in engine.value.details()
     wait_idle(mesh, timeout=3)  # a caller's error: no worker lost weight
+
+
+def test_logprobs_one_per_token_with_sorted_alternatives_across_coalesced_chunks(mesh: MeshHandle) -> None:
+    for request in (
+        {"prompt": "The capital of France is", "max_tokens": 12, "seed": 1},
+        {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 12, "seed": 2},
+    ):
+        chunks = generate(mesh, logprobs=True, top_logprobs=3, ignore_eos=True, **request)
+        entries = [entry for c in chunks for entry in c.logprobs]
+        assert len(entries) == chunks[-1].usage.completion_tokens == 12, [len(c.logprobs) for c in chunks]
+        for c in chunks:
+            assert len(c.logprobs) == c.token_count or c.finish_reason  # aligned with each chunk's tokens
+        assert "".join(e.token for e in entries) == "".join(c.text for c in chunks)
+        for entry in entries:
+            assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+            alternatives = [a.logprob for a in entry.top_logprobs]
+            assert alternatives == sorted(alternatives, reverse=True) and all(v <= 0 for v in alternatives)
+            assert entry.logprob <= alternatives[0] + 1e-6  # nothing more likely than the most likely
+    plain = generate(mesh, prompt="The capital of France is", max_tokens=4)
+    assert not any(c.logprobs for c in plain)
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(mesh, prompt="x", logprobs=True, top_logprobs=21)
+    assert (
+        refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "top_logprobs must be 0..20" in refused.value.details()
+    )

@@ -83,6 +83,51 @@ async def test_the_openai_sdk_streams_chat_and_completions_with_usage(mesh: InPr
         assert (await client.models.retrieve("fake")).id == "fake"
 
 
+async def test_logprobs_reach_the_sdk_one_per_token_streamed_and_whole(mesh: InProcessMesh) -> None:
+    async with gateway_over(mesh) as gateway:
+        client = openai.AsyncOpenAI(base_url=gateway.url, api_key="x", max_retries=0)
+        user = [{"role": "user", "content": "hi"}]
+        stream = await client.chat.completions.create(
+            model="fake",
+            messages=user,
+            max_tokens=5,
+            stream=True,
+            logprobs=True,
+            top_logprobs=2,  # type: ignore[arg-type]
+        )
+        content = [
+            e
+            for c in [c async for c in stream]
+            if c.choices and c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content or []
+        ]
+        assert [e.token for e in content] == [f"tok{i} " for i in range(5)]
+        assert all(e.logprob == -0.25 and [a.logprob for a in e.top_logprobs] == [-0.25, -0.5] for e in content)
+        whole = await client.chat.completions.create(
+            model="fake",
+            messages=user,
+            max_tokens=4,
+            logprobs=True,
+            top_logprobs=1,  # type: ignore[arg-type]
+        )
+        assert whole.choices[0].logprobs is not None and whole.choices[0].logprobs.content is not None
+        assert [e.token for e in whole.choices[0].logprobs.content] == [f"tok{i} " for i in range(4)]
+        completion = await client.completions.create(model="fake", prompt="hi", max_tokens=3, logprobs=2)
+        columns = completion.choices[0].logprobs
+        assert columns is not None and columns.tokens == [f"tok{i} " for i in range(3)]
+        assert columns.text_offset == [0, 5, 10] and columns.top_logprobs == [{"alt0": -0.25, "alt1": -0.5}] * 3
+        plain = await client.chat.completions.create(model="fake", messages=user, max_tokens=2)  # type: ignore[arg-type]
+        assert plain.choices[0].logprobs is None
+        schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+        await client.chat.completions.create(
+            model="fake",
+            messages=user,  # type: ignore[arg-type]
+            max_tokens=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        )
+        assert any(g.params.structured == {"json": schema} for b in mesh.backends for g in b.started)
+
+
 async def test_the_sdk_maps_the_gateway_errors_to_its_exception_classes() -> None:
     async with in_process_mesh(queue_timeout_s=0.1) as mesh, gateway_over(mesh, retry_deadline_s=0.3) as gateway:
         client = openai.AsyncOpenAI(base_url=gateway.url, api_key="x", max_retries=0)

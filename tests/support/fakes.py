@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from tokenmesh.v1 import worker_pb2
+from tokenmesh.v1 import inference_pb2, worker_pb2
 from tokenmesh.worker import (
     Backend,
     BackendError,
@@ -83,8 +83,16 @@ class FakeGeneration(Generation):
             if self.cancelled.is_set():
                 yield Finished("cancelled", 3, i)
                 return
-            yield Delta(f"tok{first + i} ", 1)
+            yield Delta(f"tok{first + i} ", 1, _logprobs(f"tok{first + i} ", params.logprobs))
         yield Finished("length", 3 + first, params.max_tokens, self.backend.cached_prompt_tokens)
+
+
+def _logprobs(token: str, alternatives: int | None) -> tuple[inference_pb2.TokenLogprob, ...]:
+    """What the fake engine says of its token: logprob -0.25, alternatives -0.25, -0.5, ... (None: none asked)."""
+    if alternatives is None:
+        return ()
+    top = [inference_pb2.TopLogprob(token=f"alt{k}", logprob=-0.25 * (k + 1)) for k in range(alternatives)]
+    return (inference_pb2.TokenLogprob(token=token, logprob=-0.25, top_logprobs=top, bytes=token.encode()),)
 
 
 class FakeBackend(Backend):

@@ -156,8 +156,9 @@ class LinkSession(CallerSession[worker_pb2.LinkCommand, Attempt]):
         if self._counters is not None:  # two increments a message: the batch size, read off /metrics
             self._counters[0].inc()
             self._counters[1].inc(len(message.chunk_stream))
-        for stream, seq, text, tokens in zip(
-            message.chunk_stream, message.chunk_seq, message.chunk_text, message.chunk_tokens, strict=False
+        logprobs = message.chunk_logprobs
+        for index, (stream, seq, text, tokens) in enumerate(
+            zip(message.chunk_stream, message.chunk_seq, message.chunk_text, message.chunk_tokens, strict=False)
         ):
             attempt = attempts.get(stream)
             if attempt is None:
@@ -165,6 +166,8 @@ class LinkSession(CallerSession[worker_pb2.LinkCommand, Attempt]):
             event = worker_pb2.WorkerEvent(seq=seq, chunk=worker_pb2.TokenChunk(text=text, token_count=tokens))
             if ttft and stream in ttft:
                 event.chunk.engine_ttft_ms = ttft[stream]
+            if logprobs and index in logprobs:
+                event.chunk.logprobs.extend(logprobs[index].tokens)
             attempt.put(event)
         for end in message.ends:
             self.end(end.stream, end.event if end.HasField("event") else rpc_error(end.status))

@@ -67,13 +67,16 @@ def continuation(base: inference_pb2.GenerateRequest, progress: Progress) -> inf
 def chunk(event: worker_pb2.WorkerEvent, request_id: str, model: str) -> inference_pb2.GenerateChunk:
     """The caller's chunk for a worker's chunk or end event (seq from the worker)."""
     if event.WhichOneof("event") == "chunk":
-        return inference_pb2.GenerateChunk(
+        piece = inference_pb2.GenerateChunk(
             request_id=request_id,
             seq=event.seq,
             text=event.chunk.text,
             token_count=event.chunk.token_count,
             model=model,
         )
+        if event.chunk.logprobs:  # only then: an empty repeated field costs a copy per chunk on the hot path
+            piece.logprobs.extend(event.chunk.logprobs)
+        return piece
     end = event.end
     return inference_pb2.GenerateChunk(
         request_id=request_id,

@@ -102,7 +102,7 @@ class LinkDetach(_message.Message):
     def __init__(self) -> None: ...
 
 class LinkEvents(_message.Message):
-    __slots__ = ("settings", "chunk_stream", "chunk_seq", "chunk_text", "chunk_tokens", "engine_ttft_ms", "ends")
+    __slots__ = ("settings", "chunk_stream", "chunk_seq", "chunk_text", "chunk_tokens", "engine_ttft_ms", "ends", "chunk_logprobs")
     class EngineTtftMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,13 @@ class LinkEvents(_message.Message):
         key: int
         value: float
         def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class ChunkLogprobsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: ChunkLogprobs
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[ChunkLogprobs, _Mapping]] = ...) -> None: ...
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_STREAM_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +124,7 @@ class LinkEvents(_message.Message):
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     settings: LinkSettings
     chunk_stream: _containers.RepeatedScalarFieldContainer[int]
     chunk_seq: _containers.RepeatedScalarFieldContainer[int]
@@ -124,7 +132,14 @@ class LinkEvents(_message.Message):
     chunk_tokens: _containers.RepeatedScalarFieldContainer[int]
     engine_ttft_ms: _containers.ScalarMap[int, float]
     ends: _containers.RepeatedCompositeFieldContainer[LinkEnd]
-    def __init__(self, settings: _Optional[_Union[LinkSettings, _Mapping]] = ..., chunk_stream: _Optional[_Iterable[int]] = ..., chunk_seq: _Optional[_Iterable[int]] = ..., chunk_text: _Optional[_Iterable[str]] = ..., chunk_tokens: _Optional[_Iterable[int]] = ..., engine_ttft_ms: _Optional[_Mapping[int, float]] = ..., ends: _Optional[_Iterable[_Union[LinkEnd, _Mapping]]] = ...) -> None: ...
+    chunk_logprobs: _containers.MessageMap[int, ChunkLogprobs]
+    def __init__(self, settings: _Optional[_Union[LinkSettings, _Mapping]] = ..., chunk_stream: _Optional[_Iterable[int]] = ..., chunk_seq: _Optional[_Iterable[int]] = ..., chunk_text: _Optional[_Iterable[str]] = ..., chunk_tokens: _Optional[_Iterable[int]] = ..., engine_ttft_ms: _Optional[_Mapping[int, float]] = ..., ends: _Optional[_Iterable[_Union[LinkEnd, _Mapping]]] = ..., chunk_logprobs: _Optional[_Mapping[int, ChunkLogprobs]] = ...) -> None: ...
+
+class ChunkLogprobs(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprob]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class LinkEnd(_message.Message):
     __slots__ = ("stream", "event", "status")
@@ -157,14 +172,16 @@ class AttachRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("text", "token_count", "engine_ttft_ms")
+    __slots__ = ("text", "token_count", "engine_ttft_ms", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_count: int
     engine_ttft_ms: float
-    def __init__(self, text: _Optional[str] = ..., token_count: _Optional[int] = ..., engine_ttft_ms: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_count: _Optional[int] = ..., engine_ttft_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerationEnd(_message.Message):
     __slots__ = ("finish_reason", "usage", "token_count")

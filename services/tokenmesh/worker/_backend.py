@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmesh.v1 import worker_pb2
+from tokenmesh.v1 import inference_pb2, worker_pb2
 
 ADAPTER_SEPARATOR = ":"
 """A request names LoRA adapter ``a`` of model ``m`` as the model ``m:a`` (ListModels lists it so)."""
@@ -75,6 +75,8 @@ class GenerationParams:
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs."""
+    logprobs: int | None = None
+    """Alternatives per position with each token's log probability (0: the token's alone); None: none."""
     structured: dict[str, Any] | None = None
     """The output's format as vLLM's structured-output parameters (``json``, ``json_object``, ``choice`` or
     ``grammar``); None for free text."""
@@ -94,6 +96,8 @@ class Delta:
 
     text: str
     tokens: int
+    logprobs: tuple[inference_pb2.TokenLogprob, ...] = ()
+    """One per token, when the request asked for logprobs."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,8 @@ class Columns(Batch):
     texts: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     ttft: dict[int, float] = field(default_factory=dict)
+    logprobs: dict[int, worker_pb2.ChunkLogprobs] = field(default_factory=dict)
+    """By chunk index: only chunks that carry logprobs."""
 
 
 class WorkerLink(ServerSession[Linked]):
@@ -183,7 +185,7 @@ class WorkerLink(ServerSession[Linked]):
         """The message, or None when nothing was taken."""
         if not batch.streams and not batch.ends:
             return None
-        events = worker_pb2.LinkEvents(ends=batch.ends, engine_ttft_ms=batch.ttft)
+        events = worker_pb2.LinkEvents(ends=batch.ends, engine_ttft_ms=batch.ttft, chunk_logprobs=batch.logprobs)
         events.chunk_stream.extend(batch.streams)
         events.chunk_seq.extend(batch.seqs)
         events.chunk_text.extend(batch.texts)
@@ -236,6 +238,8 @@ class WorkerLink(ServerSession[Linked]):
         batch.tokens.append(chunk.token_count)
         if chunk.HasField("engine_ttft_ms"):
             batch.ttft[linked.stream] = chunk.engine_ttft_ms
+        if chunk.logprobs:
+            batch.logprobs[len(batch.streams) - 1] = worker_pb2.ChunkLogprobs(tokens=chunk.logprobs)
         batch.budget -= size
         linked.credit -= size
         if linked.record.interval_s:

@@ -157,7 +157,7 @@ class Record:
         """Add an event, evicting the oldest beyond the byte budget; wake readers.
 
         A chunk that arrives while the previous chunk is still unread by every
-        reader is merged into it (text and token count): a reader that falls
+        reader is merged into it (text, token count and logprobs): a reader that falls
         behind gets fewer, larger messages (a paced reader too, by design:
         see the class), never a chunk held back for it. Only
         unread chunks are merged, so every seq a reader saw keeps its meaning
@@ -173,6 +173,7 @@ class Record:
             self.bytes -= last.ByteSize()
             last.chunk.text += event.chunk.text
             last.chunk.token_count += event.chunk.token_count
+            last.chunk.logprobs.extend(event.chunk.logprobs)  # still one per token, in order
             self.bytes += last.ByteSize()
             return  # readers were woken for that chunk and have not taken it yet
         if event.WhichOneof("event") != "error":
@@ -328,7 +329,7 @@ class Registry:
             async for event in record.generation:
                 if isinstance(event, Delta):
                     now = time.monotonic()
-                    chunk = worker_pb2.TokenChunk(text=event.text, token_count=event.tokens)
+                    chunk = worker_pb2.TokenChunk(text=event.text, token_count=event.tokens, logprobs=event.logprobs)
                     if record.total == 0:
                         self._on_token_timing(record, now - last, None)
                         chunk.engine_ttft_ms = (now - last) * 1000

@@ -108,6 +108,7 @@ def generation_params(
         frequency_penalty=req.frequency_penalty if req.HasField("frequency_penalty") else None,
         repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else None,
         logit_bias=tuple(sorted(req.logit_bias.items())),
+        logprobs=req.top_logprobs if req.logprobs else None,
         structured=structured(req.structured_output) if req.HasField("structured_output") else None,
         flags=spec.flags,
         request_id=req.request_id,

@@ -87,8 +87,8 @@ def test_completion_fields_and_defaults() -> None:
 BAD_FIELDS: list[tuple[str, dict[str, Any], str, str]] = [
     # (kind, body, param, words in the message)
     ("chat", {"messages": USER, "n": 2}, "n", "not supported"),
-    ("chat", {"messages": USER, "logprobs": True}, "logprobs", "not supported"),
-    ("chat", {"messages": USER, "top_logprobs": 2}, "top_logprobs", "not supported"),
+    ("chat", {"messages": USER, "logprobs": "yes"}, "logprobs", "true or false"),
+    ("chat", {"messages": USER, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
     ("chat", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
     ("chat", {"messages": USER, "tool_choice": "auto"}, "tool_choice", "not supported"),
     ("chat", {"messages": USER, "functions": [{"name": "f"}]}, "functions", "not supported"),
@@ -99,7 +99,8 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str, str]] = [
     ("completion", {"prompt": "x", "best_of": 2}, "best_of", "not supported"),
     ("completion", {"prompt": "x", "echo": True}, "echo", "not supported"),
     ("completion", {"prompt": "x", "suffix": "end"}, "suffix", "not supported"),
-    ("completion", {"prompt": "x", "logprobs": 0}, "logprobs", "not supported"),
+    ("completion", {"prompt": "x", "logprobs": -1}, "logprobs", "0..20"),
+    ("completion", {"prompt": "x", "logprobs": 2, "top_logprobs": 2}, "top_logprobs", "belongs to"),
     ("completion", {"prompt": ["a", "b"]}, "prompt", "list of one string"),
     ("completion", {"prompt": [1, 2, 3]}, "prompt", "token ids"),
     ("completion", {"prompt": ""}, "prompt", "empty"),

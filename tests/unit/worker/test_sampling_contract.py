@@ -18,8 +18,10 @@ from tokenmesh.router._relay import STRUCTURED_NOT_CONTINUED, continuation
 from tokenmesh.v1 import inference_pb2, worker_pb2
 from tokenmesh.validation import check_request
 from tokenmesh.worker import GenerationParams, ModelSpec
+from tokenmesh.worker._registry import Record
 from tokenmesh.worker._servicer import generation_params
 from tokenmesh.worker.triton import build_request, decode_first
+from tokenmesh.worker.triton._codec import logprobs_of
 from tokenmesh.worker.triton._sse import _http_request
 
 SCHEMA = {
@@ -186,3 +188,69 @@ def test_a_structured_generation_is_not_continued_after_delivered_text() -> None
     free = request(max_tokens=50, request_id="r2")
     forward = continuation(free, progress)
     assert forward is not None and forward.prompt == 'hi{"name": ' and forward.max_tokens == 47
+
+
+def test_the_vllm_backends_logprobs_become_one_entry_per_token_with_its_alternatives() -> None:
+    output = json.dumps(
+        [
+            {  # the sampled token first; it also ranks among the alternatives
+                "7042": {"logprob": -0.26, "rank": 1, "decoded_token": " Paris"},
+                "260": {"logprob": -2.76, "rank": 2, "decoded_token": " the"},
+                "4528": {"logprob": -4.29, "rank": 3, "decoded_token": " London"},
+            },
+            {  # sampled outside the top 2
+                "11": {"logprob": -5.0, "rank": 9, "decoded_token": ","},
+                "30": {"logprob": -0.1, "rank": 1, "decoded_token": "."},
+                "31": {"logprob": -2.5, "rank": 2, "decoded_token": "!"},
+            },
+        ]
+    )
+    first, second = logprobs_of(output, 2)
+    assert (first.token, first.bytes, [a.token for a in first.top_logprobs]) == (
+        " Paris",
+        b" Paris",
+        [" Paris", " the"],
+    )
+    assert (second.token, second.logprob) == (",", -5.0)
+    assert [(a.token, a.logprob) for a in second.top_logprobs] == [(".", pytest.approx(-0.1)), ("!", -2.5)]
+    assert logprobs_of(output, 0)[0].top_logprobs == []  # the token's own only
+    assert logprobs_of("", 3) == () and logprobs_of("null", 3) == ()
+
+
+def test_chunks_that_coalesce_keep_one_logprob_per_token_in_order() -> None:
+    record = Record("r", 1, 0, generation=None, max_bytes=1 << 20)  # type: ignore[arg-type]  # never pumped here
+    for i in range(3):  # nobody read the first: the next two merge into it
+        entry = inference_pb2.TokenLogprob(token=f"t{i}", logprob=-0.1 * i)
+        record.append(
+            worker_pb2.WorkerEvent(chunk=worker_pb2.TokenChunk(text=f"t{i}", token_count=1, logprobs=[entry]))
+        )
+    (merged,) = record.events
+    assert merged.chunk.text == "t0t1t2" and merged.chunk.token_count == 3
+    assert [e.token for e in merged.chunk.logprobs] == ["t0", "t1", "t2"]
+
+
+def test_the_cpu_model_answers_logprobs_in_the_vllm_backends_shape(smollm2: Any) -> None:
+    choice = {
+        "text": " Paris",
+        "logprobs": {
+            "content": [
+                {
+                    "id": 7042,
+                    "token": " Paris",
+                    "logprob": -0.26,
+                    "top_logprobs": [
+                        {"id": 7042, "token": " Paris", "logprob": -0.26},
+                        {"id": 260, "token": " the", "logprob": -2.76},
+                    ],
+                }
+            ]
+        },
+    }
+    (position,) = smollm2._vllm_logprobs(choice, 2)
+    assert list(position) == ["7042", "260"]  # the sampled token first
+    assert position["7042"] == {"logprob": -0.26, "rank": 1, "decoded_token": " Paris"}
+    assert position["260"]["rank"] == 2
+    given = {"text_input": "hi", "sampling_parameters": json.dumps({"logprobs": 0})}
+    assert smollm2._request_body(given, ())[0]["n_probs"] == 1  # at least the sampled token's own
+    with pytest.raises(ValueError, match="logprobs must be a whole number"):
+        smollm2._alternatives({"logprobs": -1})

@@ -24,7 +24,7 @@ from tokenmesh.worker._backend import (
     ModelSpec,
     parse_adapters,
 )
-from tokenmesh.worker.triton._codec import USAGE_FLAGS
+from tokenmesh.worker.triton._codec import LOGPROBS_FLAG, USAGE_FLAGS
 from tokenmesh.worker.triton._generation import TritonGeneration
 from tokenmesh.worker.triton._metrics import _fetch_text, parse_metrics
 from tokenmesh.worker.triton._process import PortTaken, TritonProcess, TritonProcessConfig
@@ -184,7 +184,7 @@ class TritonBackend(Backend):
                     slots=slots,
                     chat="messages" in inputs,
                     adapters=adapters,
-                    flags=tuple(flag for flag in USAGE_FLAGS if flag in inputs),
+                    flags=tuple(flag for flag in (*USAGE_FLAGS, LOGPROBS_FLAG) if flag in inputs),
                 )
             )
         return specs

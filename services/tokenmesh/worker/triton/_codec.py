@@ -13,9 +13,12 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2
 
+from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker._backend import Delta, Finished, GenerationParams
 
 USAGE_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+LOGPROBS_FLAG = "return_logprobs"
+"""The vLLM backend's switch for the ``logprobs`` output (Triton 24.12 on): sent to a request that asks for them."""
 """The vLLM backend's optional inputs that make it send finish_reason and the token counts (Triton 24.12 on):
 sent true to a model that declares them, or its usage is 0 and every generation ends ``stop``."""
 
@@ -70,6 +73,8 @@ def sampling_parameters(params: GenerationParams) -> dict[str, Any]:
             sampling[name] = value
     if params.logit_bias:
         sampling["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}  # JSON keys are text
+    if params.logprobs is not None:
+        sampling["logprobs"] = params.logprobs  # vLLM: the sampled token's, and this many alternatives
     if params.structured is not None:
         # A JSON string: what every vLLM backend release parses (GuidedDecodingParams, then StructuredOutputsParams).
         sampling["guided_decoding"] = json.dumps(params.structured)
@@ -86,9 +91,49 @@ def build_request(params: GenerationParams) -> service_pb2.ModelInferRequest:
     _add_input(request, "sampling_parameters", "BYTES", encode_bytes(json.dumps(sampling_parameters(params))))
     if params.messages:
         _add_input(request, "messages", "BYTES", encode_bytes(messages_json(params)))
-    for flag in params.flags:
+    for flag in flags(params):
         _add_input(request, flag, "BOOL", b"\x01")
     return request
+
+
+def flags(params: GenerationParams) -> tuple[str, ...]:
+    """The switches sent true: the usage ones the model declares, and return_logprobs when asked for."""
+    if params.logprobs is None:
+        return tuple(flag for flag in params.flags if flag != LOGPROBS_FLAG)
+    return params.flags
+
+
+def logprobs_of(text: str, alternatives: int) -> tuple[inference_pb2.TokenLogprob, ...]:
+    """The vLLM backend's ``logprobs`` output (JSON: per token, {token id: {logprob, rank, decoded_token}}).
+
+    vLLM puts the sampled token first in each position's dict (then the alternatives, which may repeat it):
+    the first entry is the token, the rest by rank are its alternatives (the sampled one included when it ranks
+    among them, as OpenAI's top_logprobs).
+    """
+    if not text or text == "null":
+        return ()
+    out = []
+    for position in json.loads(text):
+        entries = list(position.values())
+        if not entries:
+            continue
+        token = entries[0]
+        ranked = sorted((e for e in entries if e.get("rank") is not None), key=lambda e: (e["rank"], -e["logprob"]))
+        seen: set[str] = set()
+        top = []
+        for entry in ranked:
+            piece = str(entry.get("decoded_token") or "")
+            if piece in seen:
+                continue
+            seen.add(piece)
+            top.append(inference_pb2.TopLogprob(token=piece, logprob=entry["logprob"], bytes=piece.encode()))
+        piece = str(token.get("decoded_token") or "")
+        out.append(
+            inference_pb2.TokenLogprob(
+                token=piece, logprob=token["logprob"], top_logprobs=top[:alternatives], bytes=piece.encode()
+            )
+        )
+    return tuple(out)
 
 
 def messages_json(params: GenerationParams) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +13,7 @@ from tritonclient.grpc import service_pb2_grpc
 from tokenmesh.errors import classify_backend_message
 from tokenmesh.v1 import worker_pb2
 from tokenmesh.worker._backend import BackendError, Delta, Finished, Generation, GenerationParams
-from tokenmesh.worker.triton._codec import MalformedBytes, _Outputs, build_request, last_events
+from tokenmesh.worker.triton._codec import MalformedBytes, _Outputs, build_request, last_events, logprobs_of
 
 
 def _rpc_error_class(exc: grpc.aio.AioRpcError) -> worker_pb2.ErrorClass:
@@ -48,6 +49,7 @@ class TritonGeneration(Generation):
     async def __aiter__(self) -> AsyncIterator[Delta | Finished]:
         """Deltas as Triton streams them, then Finished (or BackendError)."""
         completion_tokens = 0
+        alternatives = self._params.logprobs
         if self._cancelled:
             yield Finished("cancelled", 0, 0)
             return
@@ -65,10 +67,11 @@ class TritonGeneration(Generation):
                 outputs = _Outputs(message.infer_response)
                 text = outputs.text("text_output")
                 tokens = outputs.uint("num_output_tokens")
+                logprobs = () if alternatives is None else logprobs_of(outputs.text("logprobs"), alternatives)
                 if not outputs.final:
                     completion_tokens += tokens
                     if text:
-                        yield Delta(text, tokens)
+                        yield Delta(text, tokens, logprobs)
                     continue
                 for event in last_events(
                     outputs.text("finish_reason"),
@@ -78,7 +81,7 @@ class TritonGeneration(Generation):
                     tokens,
                     completion_tokens,
                 ):
-                    yield event
+                    yield dataclasses.replace(event, logprobs=logprobs) if isinstance(event, Delta) else event
                 return
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()

@@ -16,6 +16,7 @@ over gRPC (:mod:`._generation`), which carries TLS and mTLS.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -26,7 +27,7 @@ import orjson
 from tokenmesh.errors import classify_backend_message
 from tokenmesh.v1 import worker_pb2
 from tokenmesh.worker._backend import BackendError, Delta, Finished, Generation, GenerationParams
-from tokenmesh.worker.triton._codec import last_events, messages_json, sampling_parameters
+from tokenmesh.worker.triton._codec import flags, last_events, logprobs_of, messages_json, sampling_parameters
 
 _EVENT_END = b"\n\n"
 _DATA = b"data: "
@@ -48,7 +49,7 @@ def _http_request(host: str, port: int, params: GenerationParams) -> bytes:
     }
     if params.messages:
         fields["messages"] = messages_json(params)
-    for flag in params.flags:
+    for flag in flags(params):
         fields[flag] = True
     body = orjson.dumps(fields)
     head = [
@@ -175,7 +176,7 @@ class TritonSseGeneration(Generation):
             return
         params = self._params
         exchange = self._exchange = _Exchange(_http_request(self._host, self._port, params))
-        streamed = _Streamed()
+        streamed = _Streamed(self._params.logprobs)
         loop = asyncio.get_running_loop()
         deadline = None if params.timeout_s is None else loop.time() + params.timeout_s
         # The deadline closes the socket (one timer, not one per read); it never cancels our consumer's task.
@@ -249,25 +250,29 @@ async def _payloads(exchange: _Exchange) -> AsyncIterator[dict[str, Any]]:
 class _Streamed:
     """What a generation's events said so far: tokens streamed, the prompt's size, whether the final one came."""
 
-    __slots__ = ("completion_tokens", "finished", "input_tokens")
+    __slots__ = ("alternatives", "completion_tokens", "finished", "input_tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, alternatives: int | None = None) -> None:
         self.completion_tokens = 0
         self.input_tokens = 0
         self.finished = False
+        self.alternatives = alternatives
+        """Alternatives per token with its logprob (None: no logprobs asked for)."""
 
     def events(self, data: dict[str, Any]) -> tuple[Delta | Finished, ...]:
         """The generation's events for one response: a Delta, or the final one's (the one with a finish_reason)."""
         text = str(data.get("text_output") or "")
         tokens = _uint(data, "num_output_tokens")
         self.input_tokens = _uint(data, "num_input_tokens") or self.input_tokens
+        logprobs = () if self.alternatives is None else logprobs_of(str(data.get("logprobs") or ""), self.alternatives)
         finish_reason = str(data.get("finish_reason") or "")
         if finish_reason:
             self.finished = True
             cached = _uint(data, "num_cached_tokens")
-            return last_events(finish_reason, self.input_tokens, cached, text, tokens, self.completion_tokens)
+            events = last_events(finish_reason, self.input_tokens, cached, text, tokens, self.completion_tokens)
+            return tuple(dataclasses.replace(e, logprobs=logprobs) if isinstance(e, Delta) else e for e in events)
         self.completion_tokens += tokens
-        return (Delta(text, tokens),) if text else ()
+        return (Delta(text, tokens, logprobs),) if text else ()
 
 
 _STATUS_CLASSES = {

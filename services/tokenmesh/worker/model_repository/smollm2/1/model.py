@@ -409,6 +409,7 @@ class TritonPythonModel:
             try:
                 body, chat, adapter = _request_body(request, self._declared)
                 streaming = _input_bool(request, "stream", default=True)
+                alternatives = _alternatives(json.loads(_input_str(request, "sampling_parameters") or "{}"))
             except Exception as exc:  # noqa: BLE001 - a bad request must be answered, not crash the stub
                 sender.send(
                     pb_utils.InferenceResponse(
@@ -417,7 +418,11 @@ class TritonPythonModel:
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
                 continue
-            thread = threading.Thread(target=self._generate, args=(sender, body, chat, streaming, adapter), daemon=True)
+            if "logprobs" not in sender.outputs:
+                alternatives = None  # not asked for with return_logprobs: computed for nobody
+            thread = threading.Thread(
+                target=self._generate, args=(sender, body, chat, streaming, adapter, alternatives), daemon=True
+            )
             with self._lock:
                 self._threads.add(thread)
             thread.start()
@@ -435,7 +440,9 @@ class TritonPythonModel:
 
     # -- one request -------------------------------------------------------
 
-    def _generate(self, sender: Any, body: dict[str, Any], chat: bool, streaming: bool, adapter: str) -> None:
+    def _generate(  # wide: one request as execute read it, handed to its thread
+        self, sender: Any, body: dict[str, Any], chat: bool, streaming: bool, adapter: str, alternatives: int | None
+    ) -> None:
         try:
             # Waits while the adapter is being loaded (a new server: seconds); the server it returns keeps
             # running until this request ends, even if a later load replaces it for new requests.
@@ -448,7 +455,7 @@ class TritonPythonModel:
                     # llama.cpp answered a repeated prompt of the same adapter, its KV reused from the slot, as
                     # if no adapter applied (tried with xllamacpp): an adapter's prompt is computed afresh.
                     body["cache_prompt"] = False
-                self._run(engine.server, sender, body, chat, streaming)
+                self._run(engine.server, sender, body, chat, streaming, alternatives)
             finally:
                 self._engines.release(engine)
         except _Cancelled:
@@ -462,9 +469,12 @@ class TritonPythonModel:
             with self._lock:
                 self._threads.discard(threading.current_thread())
 
-    def _run(self, server: Any, sender: Any, body: dict[str, Any], chat: bool, streaming: bool) -> None:
+    def _run(  # wide: one request as execute read it, and the engine it runs on
+        self, server: Any, sender: Any, body: dict[str, Any], chat: bool, streaming: bool, alternatives: int | None
+    ) -> None:
         state = {
             "pieces": [],
+            "logprobs": [],
             "finish": "",
             "prompt_tokens": 0,
             "completion_tokens": 0,
@@ -483,9 +493,12 @@ class TritonPythonModel:
                 state["cached_tokens"] = _cached_tokens(event)
             for choice in event.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if alternatives is not None:  # a token without text yet keeps its entry for the next piece
+                    state["logprobs"].extend(_vllm_logprobs(choice, alternatives))
                 if text:
                     if streaming:
-                        sender.reply(text, "", 0, 1)
+                        pending, state["logprobs"] = state["logprobs"], []
+                        sender.reply(text, "", 0, max(1, len(pending)), logprobs=pending)
                     else:
                         state["pieces"].append(text)
                 if choice.get("finish_reason"):
@@ -501,21 +514,18 @@ class TritonPythonModel:
             server.handle_completions(json.dumps(body), on_event)
 
         if state["error"] is not None:
-            err = state["error"]
-            message = str(err.get("message", err))
-            code = pb_utils.TritonError.INTERNAL
-            if err.get("code") == 400:
-                # Said so, the worker classes it as the caller's (INVALID_ARGUMENT), not as its own failure.
-                code, message = pb_utils.TritonError.INVALID_ARG, f"invalid request: {message}"
-            sender.send(
-                pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
-                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-            )
+            sender.send(_engine_error(state["error"]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         text = "".join(state["pieces"])
         finish = state["finish"] or "stop"
-        sender.reply(
-            text, finish, state["prompt_tokens"], state["completion_tokens"], state["cached_tokens"], final=True
+        sender.reply(  # with the logprobs a stream did not send yet (every one when not streaming)
+            text,
+            finish,
+            state["prompt_tokens"],
+            state["completion_tokens"],
+            state["cached_tokens"],
+            final=True,
+            logprobs=state["logprobs"],
         )
 
 
@@ -537,6 +547,7 @@ def _request_body(request: Any, declared: tuple[str, ...]) -> tuple[dict[str, An
                 body[target] = given[key]
         if given.get("guided_decoding") is not None:
             _constrain(body, given["guided_decoding"])
+    alternatives = _alternatives(given)
     lora_name = str(given.get("lora_name") or "")
     if lora_name and lora_name not in declared:
         known = ", ".join(declared) or "none"
@@ -544,9 +555,58 @@ def _request_body(request: Any, declared: tuple[str, ...]) -> tuple[dict[str, An
     messages = _input_str(request, "messages")
     if messages:
         body["messages"] = json.loads(messages)
+        if alternatives is not None:  # llama.cpp's chat takes OpenAI's fields (at least one alternative)
+            body["logprobs"], body["top_logprobs"] = True, max(alternatives, 1)
         return body, True, lora_name
     body["prompt"] = _input_str(request, "text_input") or ""
+    if alternatives is not None:
+        body["n_probs"] = max(alternatives, 1)  # its completions return the sampled token's and n_probs more
     return body, False, lora_name
+
+
+def _engine_error(err: dict[str, Any]) -> Any:
+    """The response for llama.cpp's error.
+
+    Its 400 says ``invalid request``, which the worker classes as the caller's (INVALID_ARGUMENT), not as its own
+    failure.
+    """
+    message = str(err.get("message", err))
+    if err.get("code") == 400:
+        return pb_utils.InferenceResponse(
+            error=pb_utils.TritonError(f"invalid request: {message}", pb_utils.TritonError.INVALID_ARG)
+        )
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))
+
+
+def _alternatives(sampling: dict[str, Any]) -> int | None:
+    """Read the ``logprobs`` sampling parameter of vLLM: alternatives per position with each token's (None: off)."""
+    value = sampling.get("logprobs")
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"sampling_parameters.logprobs must be a whole number >= 0, got {value!r}")
+    return value
+
+
+def _vllm_logprobs(choice: dict[str, Any], alternatives: int) -> list[dict[str, Any]]:
+    """Put llama.cpp's logprobs of a streamed choice in the vLLM backend's shape.
+
+    Per token, {id: {logprob, rank, decoded_token}}: the sampled token first, then the alternatives by rank.
+    """
+    positions = []
+    for entry in (choice.get("logprobs") or {}).get("content") or []:
+        top = (entry.get("top_logprobs") or [])[:alternatives]
+        ids = [alt.get("id") for alt in top]
+        rank = ids.index(entry.get("id")) + 1 if entry.get("id") in ids else len(top) + 1
+        position = {
+            str(entry.get("id")): {"logprob": entry["logprob"], "rank": rank, "decoded_token": entry.get("token", "")}
+        }
+        for i, alt in enumerate(top):
+            position.setdefault(
+                str(alt.get("id")), {"logprob": alt["logprob"], "rank": i + 1, "decoded_token": alt.get("token", "")}
+            )
+        positions.append(position)
+    return positions
 
 
 def _input_str(request: Any, name: str) -> str | None:
@@ -581,7 +641,9 @@ USAGE_SWITCHES = {
     "return_num_input_tokens": "num_input_tokens",
     "return_num_output_tokens": "num_output_tokens",
 }
-"""The vLLM backend's switches and the output each turns on (off unless the request sets it)."""
+"""The vLLM backend's switches of the usage outputs, and the output each turns on (off unless the request sets it)."""
+LOGPROBS_SWITCH = "return_logprobs"
+"""Turns on the ``logprobs`` output (with sampling_parameters.logprobs), as on the vLLM backend."""
 
 
 class _Outputs:
@@ -596,6 +658,8 @@ class _Outputs:
         outputs = {o["name"] for o in config.get("output", [])}
         self.switches = {switch: output for switch, output in USAGE_SWITCHES.items() if switch in inputs}
         self.always = frozenset({"text_output"} | set(USAGE_SWITCHES.values()) - set(self.switches.values()))
+        if LOGPROBS_SWITCH in inputs and "logprobs" in outputs:
+            self.switches[LOGPROBS_SWITCH] = "logprobs"  # never sent unasked: it costs the engine work
         self.cached = "num_cached_tokens" in outputs
 
     def asked(self, request: Any) -> frozenset[str]:
@@ -618,10 +682,22 @@ class _Sender:
         """Send a response as is (an error)."""
         self.sender.send(response, flags=flags)
 
-    def reply(
-        self, text: str, finish: str, prompt: int, completion: int, cached: int = -1, *, final: bool = False
+    def reply(  # wide: one response's tensors (the switches decide which go)
+        self,
+        text: str,
+        finish: str,
+        prompt: int,
+        completion: int,
+        cached: int = -1,
+        *,
+        final: bool = False,
+        logprobs: list[dict[str, Any]] | None = None,
     ) -> None:
-        """One response; the usage figures and ``num_cached_tokens`` (final only) where the request gets them."""
+        """Send one response.
+
+        The usage figures, ``num_cached_tokens`` (final only) and ``logprobs`` (the vLLM backend's JSON of this
+        response's tokens) go where the request gets them.
+        """
         values = {
             "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
             "finish_reason": np.array([finish.encode("utf-8")], dtype=np.object_),
@@ -630,6 +706,8 @@ class _Sender:
         }
         if final and cached >= 0:
             values["num_cached_tokens"] = np.array([cached], dtype=np.uint32)
+        if logprobs is not None:
+            values["logprobs"] = np.array([json.dumps(logprobs).encode("utf-8")], dtype=np.object_)
         tensors = [pb_utils.Tensor(name, value) for name, value in values.items() if name in self.outputs]
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
