@@ -159,6 +159,9 @@ async def test_an_old_worker_upgraded_in_place_is_asked_again_and_gets_the_link(
         await wait_until(lambda: modes.get(address) == "batched", timeout=15)
         assert (await link_fields(mesh))[address] == "batched"
         assert versions.calls[upgraded.servicer] == 1
+        # Placed only once its health watch, reconnecting with backoff (seconds on a loaded machine), sees it again.
+        entry = mesh.router.pool.entries[address]
+        await wait_until(lambda: entry.healthy and bool(entry.models), timeout=15)
         for b in mesh.backends:
             b.started.clear()
         await run_streams(mesh, 10)
