@@ -3,13 +3,14 @@
 Taken: ``model``, ``messages`` (user and assistant turns, each a string or
 text blocks), ``system`` (a string or text blocks), ``max_tokens``
 (required, as Anthropic requires it), ``temperature`` (0..1, as Anthropic),
-``top_p``, ``stop_sequences``, ``stream``, ``metadata.user_id`` (the
+``top_p``, ``top_k`` and ``output_format`` (``_steering``, as the OpenAI
+routes take them), ``stop_sequences``, ``stream``, ``metadata.user_id`` (the
 generation's ``user`` label, and its session key unless ``X-Session-ID``
 names one: ``_session``) and ``ignore_eos`` (not Anthropic's: the OpenAI
 routes' extension, so that ``tokenmesh bench`` asks every API for the same
 lengths). A field that would change the answer in a way
 the mesh cannot honour (tools, images and documents, extended thinking,
-``top_k``, a last assistant turn to continue...) is refused with a 400 naming
+a last assistant turn to continue...) is refused with a 400 naming
 it, never silently dropped; its neutral values (``tools: []``,
 ``thinking: {"type": "disabled"}``...) are accepted. Other fields are
 ignored, as the OpenAI routes ignore them (``cache_control`` on a block only

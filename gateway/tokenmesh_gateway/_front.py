@@ -137,9 +137,15 @@ class Incoming:
         """The mesh's id of the caller's request_id (in its tenant's space)."""
         return self.prefix + request_id
 
-    def identify(self, request: inference_pb2.GenerateRequest, request_id: str) -> None:
-        """Set the request's session (``X-Session-ID``), its id in the tenant's space and its tenant label."""
+    def identify(self, request: inference_pb2.GenerateRequest, request_id: str | None = None) -> None:
+        """Set the request's session (``X-Session-ID``), its id in the tenant's space and its tenant label.
+
+        request_id None: the caller's ``X-Request-Id``, read here, after ``X-Session-ID`` (a Responses create with
+        both bad is refused naming the session header); '' leaves the id to the client.
+        """
         _session.from_header(self.scope, request)
+        if request_id is None:
+            request_id = request_id_of(self.scope)
         if request_id:
             request.request_id = self.mesh_id(request_id)
         if self.tenant:

@@ -3,10 +3,10 @@
 Fields are taken as vLLM's OpenAI server takes them: the sampling
 extensions, ``logit_bias``, ``response_format`` and vLLM's ``guided_*``
 through ``_steering``, as every dialect. A field that would change the
-answer and that the mesh cannot honour (``n`` > 1, logprobs, tools,
-``guided_regex``...) is refused with a 400 naming it in
+answer and that the mesh cannot honour (``n`` > 1, ``prompt_logprobs``,
+tools, ``guided_regex``...) is refused with a 400 naming it in
 ``param``, never silently dropped; its neutral values (``n: 1``,
-``logprobs: false``, ``tools: []``...) are accepted, as SDKs send them.
+``tools: []``...) are accepted, as SDKs send them.
 Fields nobody here knows are ignored, as vLLM ignores them (SDKs add
 vendor fields through ``extra_body``). ``prompt_cache_key``, then ``user``,
 is the generation's session key unless ``X-Session-ID`` names one

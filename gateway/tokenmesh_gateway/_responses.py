@@ -5,15 +5,17 @@ a string or ``input_text`` parts; an assistant turn's parts may be
 ``output_text``), ``instructions`` (the system message before them),
 ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``,
 ``background``, ``store``, ``metadata`` (up to 16 string pairs, echoed on the
-Response), ``ignore_eos`` (as on chat completions), ``user`` and
+Response), ``text.format`` (``text``, ``json_object`` or the flat
+``json_schema``: ``_steering``; echoed on the Response), ``ignore_eos`` (as
+on chat completions), ``user`` and
 ``safety_identifier`` (the generation's ``user`` label), ``prompt_cache_key``
 then ``user`` (its session key, unless ``X-Session-ID`` names one:
 ``_session``). A field that would
 change the answer and that the mesh cannot honour is refused with a 400
 naming it, never dropped: ``previous_response_id`` and ``conversation``
 (tokenmesh keeps no conversation state), tools, ``reasoning``, ``include``,
-``prompt`` templates, ``n`` > 1, ``top_logprobs``, a ``text.format`` other
-than text, ``truncation: "auto"``, any input item or part that is not text.
+``prompt`` templates, ``n`` > 1, ``top_logprobs``, a ``text`` field other
+than ``format``, ``truncation: "auto"``, any input item or part that is not text.
 Their neutral values (``tools: []``, ``reasoning: null``...) pass, as SDKs
 send them; fields nobody here knows are ignored, as on the other routes.
 """

@@ -21,7 +21,7 @@ from tokenmesh.errors import MeshError, NotFound
 from tokenmesh_gateway._errors import HttpError, from_mesh, invalid
 from tokenmesh_gateway._front import Front, Incoming
 from tokenmesh_gateway._http import Receive, Scope, Send, respond
-from tokenmesh_gateway._ids import check_id, flag, request_id_of, seq_of
+from tokenmesh_gateway._ids import check_id, flag, seq_of
 from tokenmesh_gateway._response_store import Kept, ResponseStore, background_id, created_of
 from tokenmesh_gateway._responses import Echo, ResponsesRequest, parse
 from tokenmesh_gateway._responses_sse import Head, ResponsesAnswer, response_object
@@ -68,7 +68,7 @@ class ResponsesApi:
             await self._background(incoming, parsed, created, send)
             return
         request = parsed.request
-        incoming.identify(request, request_id_of(scope))
+        incoming.identify(request)  # its X-Request-Id, as on the other routes
         answer = ResponsesAnswer(
             parsed.stream, Head("", created, request.model, parsed.echo), id_prefix=incoming.prefix
         )

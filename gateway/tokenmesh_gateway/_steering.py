@@ -102,7 +102,12 @@ def guided(body: dict[str, Any], request: inference_pb2.GenerateRequest) -> None
     name = given[0]
     value = body[name]
     if name == "guided_json":
-        schema = orjson.loads(value) if isinstance(value, str) and value.strip().startswith("{") else value
+        schema = value
+        if isinstance(value, str) and value.strip().startswith("{"):
+            try:
+                schema = orjson.loads(value)
+            except orjson.JSONDecodeError as exc:  # the caller's text: a 400 naming it, never a 500
+                raise invalid(f"guided_json is not valid JSON: {exc}", name) from None
         if not isinstance(schema, dict):
             raise invalid(f"guided_json must be a JSON Schema (an object or its JSON), got {type_name(value)}", name)
         request.structured_output.json_schema = _checked(schema, name)

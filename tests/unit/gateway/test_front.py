@@ -58,6 +58,16 @@ def test_identify_names_the_request_in_its_tenants_space_with_its_session() -> N
     assert unnamed.request_id == "" and not unnamed.labels  # the client names it; no tenant label without keys
 
 
+def test_identify_without_an_id_takes_the_callers_x_request_id_after_checking_its_session() -> None:
+    request = inference_pb2.GenerateRequest(prompt="hi")
+    incoming(None, (b"x-request-id", b"r7")).identify(request)
+    assert request.request_id == "acme/r7"
+    both_bad = incoming(None, (b"x-session-id", b"\x01"), (b"x-request-id", b"no spaces"))
+    with pytest.raises(HttpError) as raised:
+        both_bad.identify(inference_pb2.GenerateRequest(prompt="hi"))
+    assert raised.value.param == "X-Session-ID"
+
+
 async def test_a_draining_front_refuses_new_generations_with_503_but_still_knows_its_callers() -> None:
     gateway = front()
     gateway.draining = True

@@ -115,3 +115,83 @@ def test_a_schema_that_is_none_is_refused_naming_the_callers_own_field() -> None
     with pytest.raises(HttpError) as guided:
         chat(guided_json=bad)
     assert guided.value.param == "guided_json"
+
+
+def test_the_proto_bounds_are_the_gateways_the_rest_the_routers() -> None:
+    # uint32 is what the proto can carry: past it is the gateway's 400; inside it, ranges are the router's
+    with pytest.raises(HttpError) as top_k:
+        chat(top_k=2**32)
+    assert top_k.value.param == "top_k"
+    with pytest.raises(HttpError, match="whole numbers") as token:
+        chat(logit_bias={str(2**32): 1})
+    assert token.value.param == "logit_bias"
+    request = chat(top_k=2**32 - 1, logit_bias={str(2**32 - 1): 500}, min_p=7, repetition_penalty=0)
+    assert (request.top_k, dict(request.logit_bias)) == (2**32 - 1, {2**32 - 1: 500.0})
+    assert (request.min_p, request.repetition_penalty) == (7, 0)  # out of range: the router's INVALID_ARGUMENT
+
+
+def test_completions_take_the_same_fields() -> None:
+    body = {"prompt": "x", "top_k": 3, "presence_penalty": 1, "logit_bias": {"5": 1}, "guided_choice": ["a", "b"]}
+    request = _openai.parse(body, "completion").request
+    assert (request.top_k, request.presence_penalty, dict(request.logit_bias)) == (3, 1.0, {5: 1.0})
+    assert list(request.structured_output.choice.options) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"guided_json": SCHEMA, "guided_choice": ["a"]}, "guided_choice"),
+        ({"guided_choice": ["a"], "guided_grammar": 'root ::= "a"'}, "guided_grammar"),
+        ({"response_format": {"type": "json_object"}, "guided_grammar": "g"}, "guided_grammar"),
+        ({"guided_json": 5}, "guided_json"),
+        ({"guided_json": "[1]"}, "guided_json"),
+        ({"guided_json": "{bad"}, "guided_json"),  # JSON text that does not parse: a 400, never a 500
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": "{}"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": 1}}, "response_format.type"),
+    ],
+)
+def test_more_bad_formats_name_the_field(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(HttpError) as refused:
+        chat(**fields)
+    assert (refused.value.status, refused.value.param) == (400, param)
+
+
+STILL_REFUSED: list[tuple[str, Any]] = [
+    ("min_tokens", 5),
+    ("stop_token_ids", [2]),
+    ("prompt_logprobs", 1),
+    ("bad_words", ["x"]),
+    ("function_call", "auto"),
+    ("structured_outputs", {"regex": "a+"}),
+    ("audio", {"voice": "alloy"}),
+    ("prediction", {"type": "content", "content": "x"}),
+    ("modalities", ["text", "audio"]),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), STILL_REFUSED)
+def test_what_the_mesh_cannot_honour_is_still_refused(name: str, value: Any) -> None:
+    with pytest.raises(HttpError, match="not supported by tokenmesh") as refused:
+        chat(**{name: value})
+    assert refused.value.param == name
+
+
+def test_the_responses_object_repeats_the_callers_format() -> None:
+    flat = {"type": "json_schema", "name": "x", "schema": SCHEMA, "strict": True}
+    assert _responses.parse({"input": "hi", "text": {"format": flat}}).echo.text_format == flat
+    assert _responses.parse({"input": "hi"}).echo.text_format == {"type": "text"}
+    assert _responses.parse({"input": "hi", "text": {"format": None}}).echo.text_format == {"type": "text"}
+
+
+def test_messages_take_output_format_and_not_the_openai_penalties() -> None:
+    body = {"messages": USER, "max_tokens": 4, "output_format": {"type": "json_schema", "schema": SCHEMA}}
+    request = _anthropic.parse({**body, "min_p": 0.5, "logit_bias": {"1": 5}}).request
+    assert json.loads(request.structured_output.json_schema) == SCHEMA
+    # Anthropic has no penalties: like any field it does not know, they are ignored
+    assert not request.HasField("min_p") and not request.logit_bias
+    with pytest.raises(HttpError) as refused:
+        _anthropic.parse({**body, "output_format": {"type": "json_schema"}})
+    assert refused.value.param == "output_format.schema"
