@@ -33,6 +33,7 @@ import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import anthropic
 import grpc
@@ -66,18 +67,22 @@ def valid(text: str) -> bool:
     return True
 
 
+def grpc_request(seed: int | None = None) -> inference_pb2.GenerateRequest:
+    """The question over gRPC, its answer constrained by SCHEMA (seed None: the engine's own random one)."""
+    return inference_pb2.GenerateRequest(
+        messages=[inference_pb2.ChatMessage(role="user", content=PROMPT)],
+        max_tokens=MAX_TOKENS,
+        seed=seed,
+        temperature=1.0,
+        structured_output=inference_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+    )
+
+
 def grpc_run(router: str) -> Callable[[int], tuple[str, str]]:
     stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(router))
 
     def run(seed: int) -> tuple[str, str]:
-        request = inference_pb2.GenerateRequest(
-            messages=[inference_pb2.ChatMessage(role="user", content=PROMPT)],
-            max_tokens=MAX_TOKENS,
-            seed=seed,
-            temperature=1.0,
-            structured_output=inference_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA)),
-        )
-        chunks = list(stub.Generate(request, timeout=300))
+        chunks = list(stub.Generate(grpc_request(seed), timeout=300))
         return "".join(c.text for c in chunks), inference_pb2.FinishReason.Name(chunks[-1].finish_reason)
 
     return run
@@ -88,27 +93,19 @@ def openai_run(url: str, stream: bool) -> Callable[[int], tuple[str, str]]:
     response_format = {"type": "json_schema", "json_schema": {"name": "fruit", "schema": SCHEMA, "strict": True}}
 
     def run(seed: int) -> tuple[str, str]:
-        messages = [{"role": "user", "content": PROMPT}]
+        asked: dict[str, Any] = {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": MAX_TOKENS,
+            "seed": seed,
+            "temperature": 1.0,
+            "response_format": response_format,
+        }
         if not stream:
-            answer = client.chat.completions.create(
-                model="smollm2",
-                messages=messages,  # type: ignore[arg-type]
-                max_tokens=MAX_TOKENS,
-                seed=seed,
-                temperature=1.0,
-                response_format=response_format,  # type: ignore[arg-type]
-            )
+            answer = client.chat.completions.create(**asked)
             return answer.choices[0].message.content or "", str(answer.choices[0].finish_reason)
         text, reason = "", ""
-        for chunk in client.chat.completions.create(
-            model="smollm2",
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=MAX_TOKENS,
-            seed=seed,
-            temperature=1.0,
-            response_format=response_format,  # type: ignore[arg-type]
-            stream=True,
-        ):
+        for chunk in client.chat.completions.create(**asked, stream=True):
             for choice in chunk.choices:
                 text += choice.delta.content or ""
                 reason = choice.finish_reason or reason
@@ -123,14 +120,8 @@ def kill_run() -> str:
         assert mesh.router is not None
         with grpc.insecure_channel(mesh.router.address) as channel:
             table = router_pb2_grpc.RouterStub(channel).GetRoutingTable
-            request = inference_pb2.GenerateRequest(
-                messages=[inference_pb2.ChatMessage(role="user", content=PROMPT)],
-                max_tokens=MAX_TOKENS,
-                temperature=1.0,
-                structured_output=inference_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA)),
-            )
             chunks: list[inference_pb2.GenerateChunk] = []
-            call = inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=300)
+            call = inference_pb2_grpc.InferenceStub(channel).Generate(grpc_request(), timeout=300)
             try:
                 for chunk in call:
                     chunks.append(chunk)

@@ -180,13 +180,13 @@ def _final(chunk: inference_pb2.GenerateChunk, result: RequestResult, now: float
 
 def stream_inputs(text: str, sampling: dict[str, Any], messages: Sequence[tuple[str, str]] = ()) -> list[InferInput]:
     """The inputs of one decoupled streaming request (the vLLM backend's tensors)."""
-    stream = InferInput("stream", [1], "BOOL")
-    stream.set_data_from_numpy(np.array([True], dtype=bool))
-    inputs = [bytes_input("text_input", text), stream, bytes_input("sampling_parameters", json.dumps(sampling))]
-    for switch in USAGE_FLAGS:  # the vLLM backend reports finish reason and token counts only when asked
-        flag = InferInput(switch, [1], "BOOL")
-        flag.set_data_from_numpy(np.array([True], dtype=bool))
-        inputs.append(flag)
+    inputs = [
+        bytes_input("text_input", text),
+        true_input("stream"),
+        bytes_input("sampling_parameters", json.dumps(sampling)),
+    ]
+    # The vLLM backend reports finish reason and token counts only when asked.
+    inputs += [true_input(switch) for switch in USAGE_FLAGS]
     if messages:
         inputs.append(bytes_input("messages", json.dumps([{"role": r, "content": c} for r, c in messages])))
     return inputs
@@ -199,6 +199,13 @@ def read_response(response: Any) -> tuple[str, int | None, bool]:
     tokens = response.as_numpy("num_output_tokens")
     final = bool(response.get_response().parameters["triton_final_response"].bool_param)
     return text, int(tokens.reshape(-1)[0]) if tokens is not None else None, final
+
+
+def true_input(name: str) -> InferInput:
+    """A one-element BOOL input set true (``stream``, the vLLM backend's ``return_*`` switches)."""
+    tensor = InferInput(name, [1], "BOOL")
+    tensor.set_data_from_numpy(np.array([True], dtype=bool))
+    return tensor
 
 
 def bytes_input(name: str, value: str) -> InferInput:

@@ -43,8 +43,9 @@ class ModelSpec:
     """LoRA adapters the model's repository declares, each served as the model ``<name>:<adapter>`` (the engine
     loads one on demand when it keeps fewer loaded: :class:`AdapterState`)."""
     flags: tuple[str, ...] = ()
-    """The vLLM backend's ``return_*`` inputs the model declares (finish reason, token counts): each is sent true
-    on every request, or that backend reports usage 0 and every end as ``stop``."""
+    """The vLLM backend's ``return_*`` inputs the model declares: the usage ones (finish reason, token counts) are
+    sent true on every request, or that backend reports usage 0 and every end as ``stop``; ``return_logprobs`` only
+    with a request that asks for logprobs (``triton._codec.flags``)."""
 
     def adapter_model(self, adapter: str) -> str:
         """The model name a request uses for one of this model's adapters."""

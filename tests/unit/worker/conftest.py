@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import types
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
+from tests.support.shipped_models import load_shipped_model
 
 
 class _ModelException(Exception):
@@ -33,10 +31,4 @@ def _stand_in() -> types.ModuleType:
 @pytest.fixture
 def smollm2(monkeypatch: pytest.MonkeyPatch) -> Any:
     """The shipped SmolLM2 model.py as a module."""
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in())
-    path = SHIPPED_REPOSITORIES["smollm2"] / "smollm2" / "1" / "model.py"
-    spec = importlib.util.spec_from_file_location("smollm2_model_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_shipped_model(monkeypatch, "smollm2", _stand_in())

@@ -67,7 +67,7 @@ def test_the_request_to_triton_names_the_adapter_as_the_vllm_backend_does() -> N
 def test_the_model_applies_the_named_adapter_alone_and_every_other_request_explicitly_without(smollm2: Any) -> None:
     declared = ("demo", "terse")
     named = {"text_input": "hi", "sampling_parameters": json.dumps({"max_tokens": 4, "lora_name": "terse"})}
-    body, chat, adapter = smollm2._request_body(named, declared)
+    body, chat, adapter, _ = smollm2._request_body(named, declared)
     assert not chat and adapter == "terse" and body["max_tokens"] == 4
     assert "lora_name" not in body and "lora" not in body  # the id is the adapter's place on the server it gets
     engine = smollm2._Engine(server=None, adapters=("terse", "demo"))

@@ -153,7 +153,7 @@ def test_the_cpu_model_reads_the_same_json_into_llama_cpp_fields(smollm2: Any) -
         "logit_bias": {"42": -100.0},
         "guided_decoding": json.dumps({"json": SCHEMA}),
     }
-    body, chat, _ = smollm2._request_body({"text_input": "hi", "sampling_parameters": json.dumps(sampling)}, ())
+    body, chat, _, _ = smollm2._request_body({"text_input": "hi", "sampling_parameters": json.dumps(sampling)}, ())
     assert not chat
     assert {k: body[k] for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "logit_bias")} == {
         "top_k": 40,
@@ -251,6 +251,7 @@ def test_the_cpu_model_answers_logprobs_in_the_vllm_backends_shape(smollm2: Any)
     assert position["7042"] == {"logprob": -0.26, "rank": 1, "decoded_token": " Paris"}
     assert position["260"]["rank"] == 2
     given = {"text_input": "hi", "sampling_parameters": json.dumps({"logprobs": 0})}
-    assert smollm2._request_body(given, ())[0]["n_probs"] == 1  # at least the sampled token's own
+    body, _, _, alternatives = smollm2._request_body(given, ())
+    assert body["n_probs"] == 1 and alternatives == 0  # at least the sampled token's own, none of the others
     with pytest.raises(ValueError, match="logprobs must be a whole number"):
         smollm2._alternatives({"logprobs": -1})

@@ -17,10 +17,10 @@ from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker._backend import Delta, Finished, GenerationParams
 
 USAGE_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
-LOGPROBS_FLAG = "return_logprobs"
-"""The vLLM backend's switch for the ``logprobs`` output (Triton 24.12 on): sent to a request that asks for them."""
 """The vLLM backend's optional inputs that make it send finish_reason and the token counts (Triton 24.12 on):
 sent true to a model that declares them, or its usage is 0 and every generation ends ``stop``."""
+LOGPROBS_FLAG = "return_logprobs"
+"""The vLLM backend's switch for the ``logprobs`` output (Triton 24.12 on): sent to a request that asks for them."""
 
 
 def _add_input(request: service_pb2.ModelInferRequest, name: str, datatype: str, raw: bytes) -> None:

@@ -6,10 +6,8 @@ here only its timing: whether streams share one step clock.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
-import sys
 import threading
 import time
 import types
@@ -19,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.support.shipped_models import load_shipped_model
 from tokenmesh.worker.triton import SHIPPED_REPOSITORIES
 
 INTERVAL_S = 0.05
@@ -65,13 +64,7 @@ def _stand_in() -> types.ModuleType:
 
 @pytest.fixture
 def model_class(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in())
-    path = SHIPPED_REPOSITORIES["synthetic"] / "synthetic" / "1" / "model.py"
-    spec = importlib.util.spec_from_file_location("synthetic_model_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.TritonPythonModel
+    return load_shipped_model(monkeypatch, "synthetic", _stand_in()).TritonPythonModel
 
 
 def _phase_gaps(model_class: Any, shared_steps: str) -> list[float]:

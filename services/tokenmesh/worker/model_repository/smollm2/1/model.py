@@ -407,9 +407,8 @@ class TritonPythonModel:
             # are not safe to read from another thread once execute returns.
             sender = _Sender(request.get_response_sender(), self._outputs.asked(request))
             try:
-                body, chat, adapter = _request_body(request, self._declared)
+                body, chat, adapter, alternatives = _request_body(request, self._declared)
                 streaming = _input_bool(request, "stream", default=True)
-                alternatives = _alternatives(json.loads(_input_str(request, "sampling_parameters") or "{}"))
             except Exception as exc:  # noqa: BLE001 - a bad request must be answered, not crash the stub
                 sender.send(
                     pb_utils.InferenceResponse(
@@ -529,8 +528,10 @@ class TritonPythonModel:
         )
 
 
-def _request_body(request: Any, declared: tuple[str, ...]) -> tuple[dict[str, Any], bool, str]:
-    """Build the llama.cpp request JSON; True when it is a chat request; the adapter it names ('' for none).
+def _request_body(request: Any, declared: tuple[str, ...]) -> tuple[dict[str, Any], bool, str, int | None]:
+    """Build the llama.cpp request JSON; whether it is a chat; its adapter ('' for none); its logprobs' alternatives.
+
+    The alternatives per token are what ``sampling_parameters.logprobs`` asks for (None: no logprobs).
 
     ``declared``: the adapters the model may load; ``sampling_parameters.lora_name`` (the vLLM backend's key)
     picks one. Its ``lora`` field is added once the request has a server (the adapter's id is its place there).
@@ -557,11 +558,11 @@ def _request_body(request: Any, declared: tuple[str, ...]) -> tuple[dict[str, An
         body["messages"] = json.loads(messages)
         if alternatives is not None:  # llama.cpp's chat takes OpenAI's fields (at least one alternative)
             body["logprobs"], body["top_logprobs"] = True, max(alternatives, 1)
-        return body, True, lora_name
+        return body, True, lora_name, alternatives
     body["prompt"] = _input_str(request, "text_input") or ""
     if alternatives is not None:
         body["n_probs"] = max(alternatives, 1)  # its completions return the sampled token's and n_probs more
-    return body, False, lora_name
+    return body, False, lora_name, alternatives
 
 
 def _engine_error(err: dict[str, Any]) -> Any:
